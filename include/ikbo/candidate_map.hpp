@@ -1,0 +1,95 @@
+// ikbo/candidate_map.hpp — the request-level candidate -> user map.
+//
+// Built once per request from cand_to_user[B] (int32, values in [0, U)) and
+// handed to every IKBO op of that request. Building validates every entry
+// once and derives what the kernels need: per-user counts, the offsets of
+// each user's group in candidate order sorted by user (a stable counting
+// sort, so an already sorted mapping gives the identity order), whether the
+// mapping is sorted, and the largest group. For a CUDA device, one device
+// buffer holds cand_to_user, user_offsets and candidates_by_user.
+//
+// B = 0, U = 1, U = B and users without candidates are all valid.
+// A CandidateMap is cheap to copy (shared, immutable state).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "ikbo/tensor.hpp"
+
+namespace ikbo {
+
+// Device-side arrays of a CandidateMap; every pointer is device memory.
+struct CandidateMapDeviceView {
+  const std::int32_t* cand_to_user = nullptr;        // [B]
+  const std::int32_t* user_offsets = nullptr;        // [U + 1], group u is [offsets[u], offsets[u+1])
+  const std::int32_t* candidates_by_user = nullptr;  // [B], candidate ids grouped by user
+};
+
+class CandidateMap {
+ public:
+  // From a host array. With a CUDA `device`, the derived arrays are copied
+  // there (stream-ordered on `stream`, then synchronized: the map is built
+  // once per request, outside any captured graph).
+  static CandidateMap build(const std::int32_t* cand_to_user, std::int64_t num_candidates,
+                            std::int64_t num_users, Device device = Device::cpu(),
+                            Stream stream = nullptr);
+  // From a 1-D int32 tensor on the CPU or a CUDA device; the device copy (if
+  // any) lives on the tensor's device. A device tensor is read back once.
+  static CandidateMap build(const Tensor& cand_to_user, std::int64_t num_users,
+                            Stream stream = nullptr);
+  // Every candidate its own user: cand_to_user[b] = b.
+  static CandidateMap identity(std::int64_t num_candidates, Device device = Device::cpu(),
+                               Stream stream = nullptr);
+
+  std::int64_t num_candidates() const;
+  std::int64_t num_users() const;
+  Device device() const;
+  bool is_sorted() const;         // cand_to_user non-decreasing
+  std::int64_t max_count() const;  // largest group (0 when B = 0)
+
+  std::span<const std::int32_t> cand_to_user() const;        // host, [B]
+  std::span<const std::int32_t> user_counts() const;         // host, [U]
+  std::span<const std::int32_t> user_offsets() const;        // host, [U + 1]
+  std::span<const std::int32_t> candidates_by_user() const;  // host, [B]
+  // Throws ikbo::Error when the map has no CUDA copy.
+  const CandidateMapDeviceView& device_view() const;
+
+  struct State;
+  const State& state() const { return *state_; }
+
+ private:
+  explicit CandidateMap(std::shared_ptr<const State> state) : state_(std::move(state)) {}
+  std::shared_ptr<const State> state_;
+};
+
+// Offsets [U + 1] of a jagged per-user sequence (e.g. K/V histories of
+// variable length): user u owns rows [offsets[u], offsets[u+1]). Validated
+// once (starts at 0, non-decreasing, ends at `total_rows`), with a device copy
+// for CUDA devices, like CandidateMap.
+class JaggedOffsets {
+ public:
+  static JaggedOffsets build(const std::int32_t* offsets, std::int64_t num_users,
+                             std::int64_t total_rows, Device device = Device::cpu(),
+                             Stream stream = nullptr);
+  // From a 1-D int32 tensor of U + 1 entries on the CPU or a CUDA device.
+  static JaggedOffsets build(const Tensor& offsets, std::int64_t total_rows,
+                             Stream stream = nullptr);
+
+  std::int64_t num_users() const;
+  std::int64_t total_rows() const;
+  std::int64_t max_length() const;
+  Device device() const;
+  std::span<const std::int32_t> host() const;  // [U + 1]
+  const std::int32_t* device_data() const;     // throws ikbo::Error without a CUDA copy
+
+  struct State;
+  const State& state() const { return *state_; }
+
+ private:
+  explicit JaggedOffsets(std::shared_ptr<const State> state) : state_(std::move(state)) {}
+  std::shared_ptr<const State> state_;
+};
+
+}  // namespace ikbo

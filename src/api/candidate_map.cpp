@@ -1,0 +1,187 @@
+// CandidateMap and JaggedOffsets: validation once per request, derived
+// per-user arrays, and their device copies.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "api/state.hpp"
+#include "api/validate.hpp"
+#include "backend.hpp"
+
+namespace ikbo {
+namespace {
+
+// Uploads `arrays` back to back into one device allocation; returns the
+// allocation and writes each array's device address to `addresses`.
+std::shared_ptr<void> upload(std::initializer_list<const std::vector<std::int32_t>*> arrays,
+                             std::initializer_list<const std::int32_t**> addresses,
+                             Device device, Stream stream) {
+  std::size_t total = 0;
+  for (const auto* array : arrays) total += array->size();
+  std::vector<std::int32_t> packed;
+  packed.reserve(total);
+  for (const auto* array : arrays) packed.insert(packed.end(), array->begin(), array->end());
+  auto storage = detail::device::allocate(std::max<std::size_t>(total, 1) * sizeof(std::int32_t),
+                                          device);
+  if (total) {
+    detail::device::copy_to_device(storage.get(), packed.data(), total * sizeof(std::int32_t),
+                                   device, stream);
+  }
+  auto* cursor = static_cast<const std::int32_t*>(storage.get());
+  auto array = arrays.begin();
+  for (const std::int32_t** address : addresses) {
+    *address = cursor;
+    cursor += (*array++)->size();
+  }
+  return storage;
+}
+
+std::vector<std::int32_t> read_int32(const Tensor& tensor, std::string_view name, Stream stream) {
+  detail::require(tensor.dtype == DType::i32, name, " must have dtype int32, got ",
+                  dtype_name(tensor.dtype));
+  detail::require(tensor.rank == 1, name, " must have 1 dimension, got ", tensor.rank,
+                  " (shape ", tensor.shape_string(), ")");
+  detail::check_tensor(tensor, name, DType::i32, tensor.device, 1);
+  std::vector<std::int32_t> values(static_cast<std::size_t>(tensor.size(0)));
+  if (values.empty()) return values;
+  if (tensor.device.is_cuda()) {
+    detail::device::require(tensor.device, name.data());
+    detail::device::copy_to_host(values.data(), tensor.data, values.size() * sizeof(std::int32_t),
+                                 tensor.device, stream);
+  } else {
+    std::memcpy(values.data(), tensor.data, values.size() * sizeof(std::int32_t));
+  }
+  return values;
+}
+
+}  // namespace
+
+CandidateMap CandidateMap::build(const std::int32_t* cand_to_user, std::int64_t num_candidates,
+                                 std::int64_t num_users, Device device, Stream stream) {
+  using detail::require;
+  require(num_candidates >= 0 && num_candidates <= detail::kMaxExtent,
+          "num_candidates must be in [0, ", detail::kMaxExtent, "], got ", num_candidates);
+  require(num_users >= 1 && num_users <= detail::kMaxExtent, "num_users must be in [1, ",
+          detail::kMaxExtent, "], got ", num_users);
+  require(num_candidates == 0 || cand_to_user != nullptr,
+          "cand_to_user is a null pointer but num_candidates = ", num_candidates);
+  if (device.is_cuda()) detail::device::require(device, "CandidateMap device");
+
+  auto state = std::make_shared<State>();
+  state->num_candidates = num_candidates;
+  state->num_users = num_users;
+  state->device = device;
+  state->cand_to_user.assign(cand_to_user, cand_to_user + num_candidates);
+  state->user_counts.assign(static_cast<std::size_t>(num_users), 0);
+  for (std::int64_t b = 0; b < num_candidates; ++b) {
+    std::int32_t user = cand_to_user[b];
+    require(user >= 0 && user < num_users, "cand_to_user[", b, "] = ", user,
+            " is out of range [0, ", num_users, ")");
+    if (b > 0 && user < cand_to_user[b - 1]) state->sorted = false;
+    ++state->user_counts[static_cast<std::size_t>(user)];
+  }
+  state->user_offsets.assign(static_cast<std::size_t>(num_users) + 1, 0);
+  for (std::int64_t u = 0; u < num_users; ++u) {
+    auto count = state->user_counts[static_cast<std::size_t>(u)];
+    state->user_offsets[static_cast<std::size_t>(u) + 1] =
+        state->user_offsets[static_cast<std::size_t>(u)] + count;
+    state->max_count = std::max<std::int64_t>(state->max_count, count);
+  }
+  // Stable counting sort: candidates of user u, in their original order.
+  state->candidates_by_user.resize(static_cast<std::size_t>(num_candidates));
+  std::vector<std::int32_t> next(state->user_offsets.begin(), state->user_offsets.end() - 1);
+  for (std::int64_t b = 0; b < num_candidates; ++b) {
+    state->candidates_by_user[static_cast<std::size_t>(
+        next[static_cast<std::size_t>(cand_to_user[b])]++)] = static_cast<std::int32_t>(b);
+  }
+  if (device.is_cuda()) {
+    state->device_storage =
+        upload({&state->cand_to_user, &state->user_offsets, &state->candidates_by_user},
+               {&state->device_view.cand_to_user, &state->device_view.user_offsets,
+                &state->device_view.candidates_by_user},
+               device, stream);
+  }
+  return CandidateMap(std::move(state));
+}
+
+CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::int64_t num_users,
+                                 Stream stream) {
+  auto values = read_int32(cand_to_user, "cand_to_user", stream);
+  return build(values.data(), static_cast<std::int64_t>(values.size()), num_users,
+               cand_to_user.device, stream);
+}
+
+CandidateMap CandidateMap::identity(std::int64_t num_candidates, Device device, Stream stream) {
+  detail::require(num_candidates >= 1 && num_candidates <= detail::kMaxExtent,
+                  "num_candidates must be in [1, ", detail::kMaxExtent, "], got ",
+                  num_candidates);
+  std::vector<std::int32_t> values(static_cast<std::size_t>(num_candidates));
+  for (std::size_t b = 0; b < values.size(); ++b) values[b] = static_cast<std::int32_t>(b);
+  return build(values.data(), num_candidates, num_candidates, device, stream);
+}
+
+std::int64_t CandidateMap::num_candidates() const { return state_->num_candidates; }
+std::int64_t CandidateMap::num_users() const { return state_->num_users; }
+Device CandidateMap::device() const { return state_->device; }
+bool CandidateMap::is_sorted() const { return state_->sorted; }
+std::int64_t CandidateMap::max_count() const { return state_->max_count; }
+std::span<const std::int32_t> CandidateMap::cand_to_user() const { return state_->cand_to_user; }
+std::span<const std::int32_t> CandidateMap::user_counts() const { return state_->user_counts; }
+std::span<const std::int32_t> CandidateMap::user_offsets() const { return state_->user_offsets; }
+std::span<const std::int32_t> CandidateMap::candidates_by_user() const {
+  return state_->candidates_by_user;
+}
+const CandidateMapDeviceView& CandidateMap::device_view() const {
+  detail::require(state_->device.is_cuda(), "this CandidateMap was built for ",
+                  device_name(state_->device), " and has no CUDA copy");
+  return state_->device_view;
+}
+
+JaggedOffsets JaggedOffsets::build(const std::int32_t* offsets, std::int64_t num_users,
+                                   std::int64_t total_rows, Device device, Stream stream) {
+  using detail::require;
+  require(num_users >= 1 && num_users <= detail::kMaxExtent, "kv_offsets: num_users must be in [1, ",
+          detail::kMaxExtent, "], got ", num_users);
+  require(total_rows >= 0 && total_rows <= detail::kMaxExtent,
+          "kv_offsets: total_rows must be in [0, ", detail::kMaxExtent, "], got ", total_rows);
+  require(offsets != nullptr, "kv_offsets is a null pointer");
+  if (device.is_cuda()) detail::device::require(device, "JaggedOffsets device");
+  require(offsets[0] == 0, "kv_offsets[0] must be 0, got ", offsets[0]);
+  auto state = std::make_shared<State>();
+  for (std::int64_t u = 0; u < num_users; ++u) {
+    require(offsets[u + 1] >= offsets[u], "kv_offsets must be non-decreasing, but kv_offsets[",
+            u + 1, "] = ", offsets[u + 1], " < kv_offsets[", u, "] = ", offsets[u]);
+    state->max_length = std::max<std::int64_t>(state->max_length, offsets[u + 1] - offsets[u]);
+  }
+  require(offsets[num_users] == total_rows, "kv_offsets[", num_users,
+          "] must equal the number of K/V rows ", total_rows, ", got ", offsets[num_users]);
+  state->num_users = num_users;
+  state->total_rows = total_rows;
+  state->device = device;
+  state->offsets.assign(offsets, offsets + num_users + 1);
+  if (device.is_cuda()) {
+    state->device_storage = upload({&state->offsets}, {&state->device_offsets}, device, stream);
+  }
+  return JaggedOffsets(std::move(state));
+}
+
+JaggedOffsets JaggedOffsets::build(const Tensor& offsets, std::int64_t total_rows, Stream stream) {
+  auto values = read_int32(offsets, "kv_offsets", stream);
+  detail::require(values.size() >= 2, "kv_offsets must have num_users + 1 >= 2 entries, got ",
+                  values.size());
+  return build(values.data(), static_cast<std::int64_t>(values.size()) - 1, total_rows,
+               offsets.device, stream);
+}
+
+std::int64_t JaggedOffsets::num_users() const { return state_->num_users; }
+std::int64_t JaggedOffsets::total_rows() const { return state_->total_rows; }
+std::int64_t JaggedOffsets::max_length() const { return state_->max_length; }
+Device JaggedOffsets::device() const { return state_->device; }
+std::span<const std::int32_t> JaggedOffsets::host() const { return state_->offsets; }
+const std::int32_t* JaggedOffsets::device_data() const {
+  detail::require(state_->device.is_cuda(), "these JaggedOffsets were built for ",
+                  device_name(state_->device), " and have no CUDA copy");
+  return state_->device_offsets;
+}
+
+}  // namespace ikbo

@@ -1,0 +1,39 @@
+// Device services and CUDA backend entry points for builds without CUDA:
+// every request for a CUDA device is a clear error.
+#include "api/validate.hpp"
+#include "backend.hpp"
+
+namespace ikbo::detail {
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  fail(what, " is on a CUDA device, but this ikbo build has no CUDA backend "
+             "(rebuild with the CUDA toolkit installed)");
+}
+}  // namespace
+
+namespace device {
+bool built_with_cuda() { return false; }
+int device_count() { return 0; }
+void require(Device device, const char* what) {
+  if (device.is_cuda()) no_cuda(what);
+}
+std::shared_ptr<void> allocate(std::size_t, Device) { no_cuda("an allocation"); }
+void copy_to_device(void*, const void*, std::size_t, Device, Stream) { no_cuda("a copy"); }
+void copy_to_host(void*, const void*, std::size_t, Device, Stream) { no_cuda("a copy"); }
+}  // namespace device
+
+namespace cuda {
+LcePlan::State prepare_lce_plan(DType, Device, std::int64_t, std::int64_t, std::int64_t,
+                                const void*, const void*, Stream) {
+  no_cuda("w_c");
+}
+std::size_t lce_workspace_bytes(const LcePlan::State&, std::int64_t, std::int64_t,
+                                std::int64_t) {
+  no_cuda("the plan");
+}
+void lce(const LceArgs&) { no_cuda("e_c"); }
+void attention(const AttentionArgs&) { no_cuda("q"); }
+void gather_rows(const GatherRowsArgs&) { no_cuda("the source"); }
+}  // namespace cuda
+
+}  // namespace ikbo::detail

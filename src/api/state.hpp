@@ -1,0 +1,53 @@
+// Internal: the shared state behind CandidateMap, JaggedOffsets and LcePlan.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "ikbo/candidate_map.hpp"
+#include "ikbo/lce.hpp"
+
+namespace ikbo {
+
+struct CandidateMap::State {
+  std::int64_t num_candidates = 0;
+  std::int64_t num_users = 0;
+  Device device{};
+  bool sorted = true;
+  std::int64_t max_count = 0;
+  std::vector<std::int32_t> cand_to_user;        // [B]
+  std::vector<std::int32_t> user_counts;         // [U]
+  std::vector<std::int32_t> user_offsets;        // [U + 1]
+  std::vector<std::int32_t> candidates_by_user;  // [B]
+  std::shared_ptr<void> device_storage;          // owns the arrays of device_view
+  CandidateMapDeviceView device_view{};
+};
+
+struct JaggedOffsets::State {
+  std::int64_t num_users = 0;
+  std::int64_t total_rows = 0;
+  std::int64_t max_length = 0;
+  Device device{};
+  std::vector<std::int32_t> offsets;  // [U + 1]
+  std::shared_ptr<void> device_storage;
+  const std::int32_t* device_offsets = nullptr;
+};
+
+// Prepared weights. `w_c`/`w_u` point into `storage`, in `storage_dtype`
+// (f32 on the CPU backend, the plan's dtype on CUDA), rows `ld_c`/`ld_u`
+// elements apart (K rounded up to a multiple of 8, zero padded).
+// Ku = 0 (w_u null) is allowed internally: the candidate-only GEMM the
+// broadcast baselines run over concatenated inputs.
+struct LcePlan::State {
+  DType dtype = DType::f16;
+  DType storage_dtype = DType::f16;
+  Device device{};
+  std::int64_t m = 0, ku = 0, kc = 0;
+  std::int64_t ld_c = 0, ld_u = 0;
+  const void* w_c = nullptr;
+  const void* w_u = nullptr;
+  std::shared_ptr<void> storage;
+};
+
+}  // namespace ikbo

@@ -1,0 +1,50 @@
+// Internal: argument checks shared by every op. Each check throws
+// ikbo::Error whose message names the argument, what was expected and what
+// was given. Ops run all checks before touching any output.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "ikbo/error.hpp"
+#include "ikbo/tensor.hpp"
+
+namespace ikbo::detail {
+
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  throw Error(message.str());
+}
+
+template <typename... Parts>
+void require(bool condition, const Parts&... parts) {
+  if (!condition) fail(parts...);
+}
+
+// Largest element count any tensor may have: offsets inside the kernels are
+// int64 byte offsets, so counts stay below 2^62 / sizeof(element).
+inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 58;
+// Largest extent of one dimension (kernels index rows and columns in int32).
+inline constexpr std::int64_t kMaxExtent = (std::int64_t{1} << 31) - 1;
+
+// Checks data non-null (unless the tensor is empty), dtype, device, rank,
+// non-negative extents and an element count the kernels can index.
+void check_tensor(const Tensor& tensor, std::string_view name, DType dtype, Device device,
+                  int rank);
+// Checks that dimension `dim` of `tensor` equals `expected`; `meaning` says
+// where the expected value comes from, e.g. "M of w_c".
+void check_dim(const Tensor& tensor, std::string_view name, int dim, std::int64_t expected,
+               std::string_view meaning);
+// Checks a whole shape at once (message shows both shapes).
+void check_shape(const Tensor& tensor, std::string_view name,
+                 std::initializer_list<std::int64_t> expected, std::string_view meaning);
+// Checks that two buffers do not overlap (outputs must not alias inputs).
+void check_no_overlap(const Tensor& out, std::string_view out_name, const Tensor& in,
+                      std::string_view in_name);
+
+}  // namespace ikbo::detail

@@ -1,0 +1,100 @@
+// Internal: the interface between the validating API layer (src/api) and the
+// backends (src/cpu, src/cuda). Backends receive validated arguments only:
+// shapes agree, pointers are non-null where data is needed, dtypes are
+// supported, devices match. Each op has exactly one dispatch point, in
+// src/api/<op>.cpp, choosing the backend by device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "api/state.hpp"
+#include "ikbo/attention.hpp"
+#include "ikbo/candidate_map.hpp"
+#include "ikbo/lce.hpp"
+#include "ikbo/tensor.hpp"
+
+namespace ikbo::detail {
+
+inline std::int64_t round_up(std::int64_t value, std::int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// K strides of prepared weights are padded to this many elements (16 bytes
+// of fp16, the TMA / vector-load alignment).
+inline constexpr std::int64_t kWeightKAlignment = 8;
+
+struct LceArgs {
+  const LcePlan::State* plan = nullptr;  // plan->ku may be 0: no user term
+  std::int64_t n = 0, num_candidates = 0, num_users = 0;
+  const void* e_c = nullptr;  // [B, Kc, N], plan->dtype
+  const void* e_u = nullptr;  // [U, Ku, N], unused when plan->ku == 0
+  void* out = nullptr;        // [B, M, N]
+  const CandidateMap::State* map = nullptr;  // unused when plan->ku == 0
+  Stream stream = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+struct AttentionArgs {
+  DType dtype = DType::f16;
+  std::int64_t num_candidates = 0, num_users = 0, n_seed = 0, heads = 0, head_dim = 0;
+  std::int64_t dense_seq_len = 0;  // S of dense K/V; unused when jagged
+  const void* q = nullptr;         // [B, n_seed, H, D]
+  const void* k = nullptr;         // dense [U, S, H, D] or jagged [total, H, D]
+  const void* v = nullptr;
+  void* out = nullptr;             // [B, n_seed, H, D]
+  const CandidateMap::State* map = nullptr;
+  const JaggedOffsets::State* kv_offsets = nullptr;  // null: dense
+  float scale = 1.0f;
+  Stream stream = nullptr;
+};
+
+// dst row r <- src row index[r] (index null: row r), `rows` rows of
+// `row_bytes` bytes; row strides in bytes. The broadcast baselines build their
+// replicated inputs with it. For CUDA, `index` is a device pointer.
+struct GatherRowsArgs {
+  void* dst = nullptr;
+  std::int64_t dst_stride = 0;
+  const void* src = nullptr;
+  std::int64_t src_stride = 0;
+  std::int64_t row_bytes = 0;
+  const std::int32_t* index = nullptr;
+  std::int64_t rows = 0;
+  Stream stream = nullptr;
+};
+
+namespace cpu {
+// Converts the weights to fp32 with padded K stride.
+LcePlan::State prepare_lce_plan(DType dtype, std::int64_t m, std::int64_t ku, std::int64_t kc,
+                                const void* w_c, const void* w_u);
+void lce(const LceArgs& args);
+void attention(const AttentionArgs& args);
+void gather_rows(const GatherRowsArgs& args);
+}  // namespace cpu
+
+namespace cuda {
+// Copies the weights to `device` with padded K stride (zero padding).
+LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std::int64_t ku,
+                                std::int64_t kc, const void* w_c, const void* w_u, Stream stream);
+std::size_t lce_workspace_bytes(const LcePlan::State& plan, std::int64_t n,
+                                std::int64_t num_candidates, std::int64_t num_users);
+void lce(const LceArgs& args);
+void attention(const AttentionArgs& args);
+void gather_rows(const GatherRowsArgs& args);
+}  // namespace cuda
+
+// Device memory services, implemented by src/cuda/runtime.cu when CUDA is
+// built and by src/api/no_cuda.cpp otherwise (where they throw ikbo::Error).
+namespace device {
+bool built_with_cuda();
+int device_count();  // 0 without CUDA or without a GPU
+// Ensures `device` exists; throws ikbo::Error naming `what` otherwise.
+void require(Device device, const char* what);
+std::shared_ptr<void> allocate(std::size_t bytes, Device device);
+// Synchronous (stream-ordered on `stream`, then the stream is synchronized).
+void copy_to_device(void* dst, const void* src, std::size_t bytes, Device device, Stream stream);
+void copy_to_host(void* dst, const void* src, std::size_t bytes, Device device, Stream stream);
+}  // namespace device
+
+}  // namespace ikbo::detail

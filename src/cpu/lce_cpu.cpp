@@ -1,0 +1,4 @@
+// PENDING: being written (cpu backend helper).
+#include "backend.hpp"
+namespace ikbo::detail::cpu {
+}

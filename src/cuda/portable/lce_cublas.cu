@@ -1,0 +1,1 @@
+// PENDING (cuda backend helper)
