@@ -1,0 +1,246 @@
+"""Framework-friendly entry points to the IKBO ops.
+
+These wrap the bindings in ``ikbo._C``: they accept either prebuilt state
+(:class:`~ikbo.LcePlan`, :class:`~ikbo.CandidateMap`,
+:class:`~ikbo.JaggedOffsets`) or raw tensors to build it from, allocate a
+missing output in the caller's framework (numpy, torch, cupy, or any array-API
+library), allocate the CUDA workspace the same way, so the C++ op itself
+never allocates, and run on the framework's current CUDA stream
+(``torch.cuda.current_stream()``, cupy's current stream). To run on another
+stream, use the framework's stream context (``with torch.cuda.stream(s):``).
+
+Tensors are passed through DLPack without copies; they must be dense
+row-major. Every argument is validated by the library before anything is
+written: an invalid one raises ``ValueError`` naming it, and a preallocated
+``out`` is then left untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _C
+
+Array = Any  # any DLPack-capable tensor: numpy.ndarray, torch.Tensor, cupy.ndarray, ...
+
+
+def _is_torch(value: Any) -> bool:
+    # A torch tensor can only exist once torch is imported; never import it here.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_cupy(value: Any) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
+
+
+def _exportable(tensor: Array) -> Array:
+    """The object to hand to the bindings: torch refuses to export tensors that
+    require grad through DLPack, and these inference ops have no backward."""
+    if _is_torch(tensor) and tensor.requires_grad:
+        return tensor.detach()
+    return tensor
+
+
+def _writable_output(out: Array) -> Array:
+    # nanobind would refuse a read-only array too, but only with a generic
+    # "incompatible function arguments" TypeError.
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out must be writable, got a read-only numpy array")
+    return _exportable(out)
+
+
+def _int32_input(indices: Array | Sequence[int]) -> Array:
+    if isinstance(indices, (list, tuple)):
+        return np.asarray(indices, dtype=np.int32)
+    return _exportable(indices)
+
+
+def _current_stream(tensor: Array) -> int:
+    """The cudaStream_t the caller's framework is issuing work on (0 on the CPU)."""
+    if _is_torch(tensor) and tensor.is_cuda:
+        return sys.modules["torch"].cuda.current_stream(tensor.device).cuda_stream
+    if _is_cupy(tensor):
+        with tensor.device:
+            return sys.modules["cupy"].cuda.get_current_stream().ptr
+    return 0
+
+
+def _allocate(like: Array, shape: tuple[int, ...], raw_bytes: bool = False) -> Array:
+    """An uninitialized array of `shape` in `like`'s framework and on its device,
+    of `like`'s dtype, or of uint8 when `raw_bytes`.
+
+    Allocating on the current stream (torch, cupy) is what makes freeing the
+    workspace right after an asynchronous op safe: their caching allocators
+    reuse a block only for work ordered after the op on that stream."""
+    if _is_torch(like):
+        torch = sys.modules["torch"]
+        return torch.empty(
+            shape, dtype=torch.uint8 if raw_bytes else like.dtype, device=like.device
+        )
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=np.uint8 if raw_bytes else like.dtype)
+    if _is_cupy(like):
+        cupy = sys.modules["cupy"]
+        with like.device:
+            return cupy.empty(shape, dtype=cupy.uint8 if raw_bytes else like.dtype)
+    get_namespace = getattr(like, "__array_namespace__", None)
+    if get_namespace is None:
+        kind = f"{type(like).__module__}.{type(like).__qualname__}"
+        raise TypeError(
+            f"ikbo cannot allocate an output for inputs of type {kind}: it allocates for "
+            "numpy, torch, cupy and array-API arrays (those with __array_namespace__); "
+            "pass a preallocated, writable out= instead"
+        )
+    xp = get_namespace()
+    return xp.empty(shape, dtype=xp.uint8 if raw_bytes else like.dtype, device=like.device)
+
+
+def _candidate_map(
+    cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
+    num_users: int | None,
+    default_num_users: int,
+    stream: int,
+) -> _C.CandidateMap:
+    if isinstance(cand_to_user_or_map, _C.CandidateMap):
+        if num_users is not None and num_users != cand_to_user_or_map.num_users:
+            raise ValueError(
+                f"num_users = {num_users} disagrees with the CandidateMap's "
+                f"num_users = {cand_to_user_or_map.num_users}"
+            )
+        return cand_to_user_or_map
+    return _C.CandidateMap(
+        _int32_input(cand_to_user_or_map),
+        default_num_users if num_users is None else num_users,
+        stream,
+    )
+
+
+def lce(
+    w_c_or_plan: _C.LcePlan | Array,
+    w_u: Array | None,
+    e_c: Array,
+    e_u: Array,
+    cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
+    num_users: int | None = None,
+    out: Array | None = None,
+) -> Array:
+    """Linear compression of embeddings with in-kernel broadcast.
+
+    ``out[b] = w_c @ e_c[b] + w_u @ e_u[cand_to_user[b]]``
+
+    Args:
+        w_c_or_plan: an :class:`~ikbo.LcePlan` (prepared once per weights and
+            reused: the fast path), or ``w_c`` ``[M, Kc]``, from which a plan
+            is prepared for this call only.
+        w_u: ``[M, Ku]`` when ``w_c_or_plan`` is ``w_c``; ``None`` with a plan.
+        e_c: candidate embeddings ``[B, Kc, N]``.
+        e_u: user embeddings ``[U, Ku, N]``, one row per user (not per candidate).
+        cand_to_user_or_map: a :class:`~ikbo.CandidateMap` (built once per
+            request and shared by its ops), or the int32 mapping ``[B]``.
+        num_users: U when building the map from raw indices; defaults to
+            ``e_u.shape[0]``. With a prebuilt map it may be given as a check.
+        out: optional preallocated ``[B, M, N]``; otherwise allocated in
+            ``e_c``'s framework on its device.
+
+    All tensors share one dtype (float16, bfloat16 or float32) and device.
+    Products accumulate in fp32 and the two partial sums are added in fp32,
+    rounded once. On CUDA the op is asynchronous on the current stream.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: an invalid argument (message names it); ``out`` untouched.
+        TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
+    """
+    e_c, e_u = _exportable(e_c), _exportable(e_u)
+    stream = _current_stream(e_c)
+    if isinstance(w_c_or_plan, _C.LcePlan):
+        if w_u is not None:
+            raise ValueError(
+                "w_u must be None when w_c_or_plan is an LcePlan (the plan holds both weights)"
+            )
+        plan = w_c_or_plan
+    elif w_u is None:
+        raise ValueError(
+            "w_u is required when w_c_or_plan is the weight w_c rather than an LcePlan"
+        )
+    else:
+        plan = _C.LcePlan(_exportable(w_c_or_plan), _exportable(w_u), stream)
+    candidate_map = _candidate_map(cand_to_user_or_map, num_users, e_u.shape[0], stream)
+    # Validates e_c, e_u and the map against the plan, so nothing is allocated
+    # from the shape of an invalid input.
+    workspace_bytes = _C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
+    if out is None:
+        out = _allocate(e_c, (e_c.shape[0], plan.m, e_c.shape[2]))
+    workspace = _allocate(e_c, (workspace_bytes,), raw_bytes=True) if workspace_bytes else None
+    _C.lce(plan, e_c, e_u, candidate_map, _writable_output(out), stream, workspace)
+    return out
+
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
+    kv_offsets: _C.JaggedOffsets | Array | Sequence[int] | None = None,
+    scale: float | None = None,
+    out: Array | None = None,
+) -> Array:
+    """Target attention from candidate queries onto their user's history,
+    reading each user's K/V once instead of once per candidate.
+
+    ``out[b, :, h, :] = softmax(scale * q[b, :, h, :] @ k_u[:, h, :]^T) @ v_u[:, h, :]``
+    with ``u = cand_to_user[b]``; non-causal.
+
+    Args:
+        q: queries ``[B, n_seed, H, D]``, D in {64, 128}.
+        k, v: per-user keys and values, dense ``[U, S, H, D]`` or, with
+            ``kv_offsets``, jagged ``[total, H, D]``.
+        cand_to_user_or_map: a :class:`~ikbo.CandidateMap` or the int32
+            mapping ``[B]``; a raw mapping gets U from ``k.shape[0]`` (dense)
+            or from ``kv_offsets`` (jagged).
+        kv_offsets: ``None`` for dense K/V; else a :class:`~ikbo.JaggedOffsets`
+            or int32 offsets ``[U + 1]`` (user u owns rows
+            ``offsets[u]:offsets[u + 1]`` of k and v). A user with no rows
+            gets zeros.
+        scale: softmax scale; defaults to ``1 / sqrt(D)``.
+        out: optional preallocated ``[B, n_seed, H, D]``; otherwise allocated
+            in ``q``'s framework on its device.
+
+    All tensors share one dtype (float16, bfloat16 or float32) and device;
+    softmax and accumulation run in fp32. On CUDA the op is asynchronous on
+    the current stream.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: an invalid argument (message names it); ``out`` untouched.
+        TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
+    """
+    q, k, v = _exportable(q), _exportable(k), _exportable(v)
+    stream = _current_stream(q)
+    if kv_offsets is not None and not isinstance(kv_offsets, _C.JaggedOffsets):
+        kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets), k.shape[0], stream)
+    num_users = kv_offsets.num_users if kv_offsets is not None else k.shape[0]
+    candidate_map = _candidate_map(cand_to_user_or_map, None, num_users, stream)
+    if out is None:
+        out = _allocate(q, tuple(q.shape))
+    _C.attention(
+        q,
+        k,
+        v,
+        candidate_map,
+        _writable_output(out),
+        kv_offsets,
+        None if scale is None else float(scale),
+        stream,
+    )
+    return out

@@ -1,0 +1,355 @@
+// ikbo._C — the compiled core of the `ikbo` Python package (nanobind).
+//
+// Arrays arrive through DLPack as nb::ndarray (numpy on the CPU; torch, cupy
+// or jax on the CPU or a CUDA device) and become non-owning ikbo::Tensor
+// views: dtype float16, bfloat16, float32 or int32, device cpu or
+// cuda:<ordinal>, dense row-major only (a strided array is refused, never
+// silently copied). Everything beyond that — shapes, dtypes and devices
+// against each other, the candidate map — is validated by the library, whose
+// ikbo::Error derives from std::invalid_argument and so reaches Python as
+// ValueError carrying the library's message. Errors found here are raised
+// the same way.
+//
+// Op calls release the GIL. CUDA ops run asynchronously on the stream given
+// as an integer (a cudaStream_t; 0 is the legacy default stream) and use the
+// caller's workspace: nothing here allocates device memory.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "ikbo/ikbo.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// Inputs are only read, so read-only arrays are accepted; outputs and the
+// workspace must be writable (nanobind refuses read-only arrays for these).
+using InputArray = nb::ndarray<nb::ro>;
+using OutputArray = nb::ndarray<>;
+// A read-only numpy view of an int32 array owned by a map or offsets object.
+using Int32View = nb::ndarray<nb::numpy, const std::int32_t, nb::ndim<1>>;
+
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  throw ikbo::Error(message.str());
+}
+
+// numpy-style name of a DLPack dtype for messages: "float64", "int64", "bool".
+std::string dlpack_dtype_name(nb::dlpack::dtype dtype) {
+  using Code = nb::dlpack::dtype_code;
+  const char* kind = nullptr;
+  switch (static_cast<Code>(dtype.code)) {
+    case Code::Int: kind = "int"; break;
+    case Code::UInt: kind = "uint"; break;
+    case Code::Float: kind = "float"; break;
+    case Code::Bfloat: kind = "bfloat"; break;
+    case Code::Complex: kind = "complex"; break;
+    case Code::Bool: return "bool";
+    default:
+      return "DLPack type code " + std::to_string(dtype.code) + " of " +
+             std::to_string(dtype.bits) + " bits";
+  }
+  std::string name = kind + std::to_string(dtype.bits);
+  if (dtype.lanes != 1) name += "x" + std::to_string(dtype.lanes);
+  return name;
+}
+
+ikbo::DType to_dtype(nb::dlpack::dtype dtype, std::string_view name) {
+  using Code = nb::dlpack::dtype_code;
+  if (dtype == nb::dtype<float>()) return ikbo::DType::f32;
+  if (dtype == nb::dtype<std::int32_t>()) return ikbo::DType::i32;
+  if (dtype == nb::dlpack::dtype{static_cast<std::uint8_t>(Code::Float), 16, 1}) {
+    return ikbo::DType::f16;
+  }
+  if (dtype == nb::dlpack::dtype{static_cast<std::uint8_t>(Code::Bfloat), 16, 1}) {
+    return ikbo::DType::bf16;
+  }
+  fail(name, " has dtype ", dlpack_dtype_name(dtype),
+       ", which ikbo does not take (float16, bfloat16, float32 or int32)");
+}
+
+ikbo::Device to_device(int device_type, int device_id, std::string_view name) {
+  // Pinned host memory (kDLCUDAHost) is ordinary memory to the CPU backend.
+  if (device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value) {
+    return ikbo::Device::cpu();
+  }
+  if (device_type == nb::device::cuda::value) return ikbo::Device::cuda(device_id);
+  fail(name, " is on DLPack device type ", device_type,
+       ", but ikbo takes tensors on the CPU or a CUDA device");
+}
+
+template <typename Array>
+std::string extents_string(const Array& array, bool strides) {
+  std::string text = "[";
+  for (std::size_t dim = 0; dim < array.ndim(); ++dim) {
+    if (dim) text += ", ";
+    text +=
+        std::to_string(strides ? array.stride(dim) : static_cast<std::int64_t>(array.shape(dim)));
+  }
+  return text + "]";
+}
+
+// The library's views carry no strides: refuse anything that is not dense
+// row-major. Extents of 1 may have any stride (frameworks differ there), and
+// an empty array has no layout to get wrong.
+template <typename Array>
+void check_row_major(const Array& array, std::string_view name) {
+  std::int64_t expected_stride = 1;
+  bool row_major = true;
+  for (std::size_t dim = array.ndim(); dim-- > 0;) {
+    const auto extent = static_cast<std::int64_t>(array.shape(dim));
+    if (extent == 0) return;
+    if (extent != 1 && array.stride(dim) != expected_stride) row_major = false;
+    expected_stride *= extent;
+  }
+  if (!row_major) {
+    fail(name, " must be contiguous (row-major), got strides ", extents_string(array, true),
+         " (in elements) for shape ", extents_string(array, false));
+  }
+}
+
+template <typename Array>
+ikbo::Tensor to_tensor(const Array& array, std::string_view name) {
+  if (array.ndim() > static_cast<std::size_t>(ikbo::kMaxRank)) {
+    fail(name, " has ", array.ndim(), " dimensions (shape ", extents_string(array, false),
+         "), but ikbo tensors have at most ", ikbo::kMaxRank);
+  }
+  check_row_major(array, name);
+  ikbo::Tensor tensor;
+  // Views are untyped and non-const by design; the ops only read their inputs.
+  tensor.data = const_cast<void*>(static_cast<const void*>(array.data()));
+  tensor.dtype = to_dtype(array.dtype(), name);
+  tensor.device = to_device(array.device_type(), array.device_id(), name);
+  tensor.rank = static_cast<int>(array.ndim());
+  for (int dim = 0; dim < tensor.rank; ++dim) {
+    tensor.shape[static_cast<std::size_t>(dim)] =
+        static_cast<std::int64_t>(array.shape(static_cast<std::size_t>(dim)));
+  }
+  return tensor;
+}
+
+ikbo::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<ikbo::Stream>(stream); }
+
+ikbo::Workspace to_workspace(const std::optional<OutputArray>& workspace, ikbo::Device device) {
+  if (!workspace) return {};
+  check_row_major(*workspace, "workspace");
+  const ikbo::Device where =
+      to_device(workspace->device_type(), workspace->device_id(), "workspace");
+  if (workspace->nbytes() != 0 && where != device) {
+    fail("workspace must be on ", ikbo::device_name(device), " like the plan, got ",
+         ikbo::device_name(where));
+  }
+  return {workspace->data(), workspace->nbytes()};
+}
+
+Int32View int32_view(std::span<const std::int32_t> values) {
+  // An empty std::vector may have a null data pointer, which numpy does not
+  // accept even for a zero-length array.
+  static const std::int32_t empty_storage = 0;
+  return Int32View(values.empty() ? &empty_storage : values.data(), {values.size()});
+}
+
+std::string python_bool(bool value) { return value ? "True" : "False"; }
+
+void bind_candidate_map(nb::module_& m) {
+  nb::class_<ikbo::CandidateMap>(
+      m, "CandidateMap",
+      "The request-level candidate -> user map, built once per request and passed to every\n"
+      "op of that request. Building validates every entry of cand_to_user once and derives\n"
+      "per-user counts and offsets, sortedness and the largest group; for a CUDA tensor the\n"
+      "derived arrays also live on its device. Immutable.")
+      .def(
+          "__init__",
+          [](ikbo::CandidateMap* self, InputArray cand_to_user, std::int64_t num_users,
+             std::uintptr_t stream) {
+            const ikbo::Tensor view = to_tensor(cand_to_user, "cand_to_user");
+            nb::gil_scoped_release release;
+            new (self)
+                ikbo::CandidateMap(ikbo::CandidateMap::build(view, num_users, to_stream(stream)));
+          },
+          "cand_to_user"_a, "num_users"_a, "stream"_a = 0,
+          "Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
+          "or a CUDA device (the map lives where the tensor is). `stream` orders the device\n"
+          "copies, which are synchronized before returning.")
+      .def_prop_ro("num_candidates", &ikbo::CandidateMap::num_candidates, "B")
+      .def_prop_ro("num_users", &ikbo::CandidateMap::num_users, "U")
+      .def_prop_ro("is_sorted", &ikbo::CandidateMap::is_sorted, "cand_to_user is non-decreasing")
+      .def_prop_ro("max_count", &ikbo::CandidateMap::max_count,
+                   "candidates of the largest user group (0 when B = 0)")
+      .def_prop_ro(
+          "device", [](const ikbo::CandidateMap& map) { return ikbo::device_name(map.device()); },
+          "'cpu' or 'cuda:<ordinal>'")
+      .def_prop_ro(
+          "cand_to_user",
+          [](const ikbo::CandidateMap& map) { return int32_view(map.cand_to_user()); },
+          nb::rv_policy::reference_internal, "read-only numpy int32 [B], the mapping")
+      .def_prop_ro(
+          "user_counts",
+          [](const ikbo::CandidateMap& map) { return int32_view(map.user_counts()); },
+          nb::rv_policy::reference_internal, "read-only numpy int32 [U], candidates per user")
+      .def_prop_ro(
+          "user_offsets",
+          [](const ikbo::CandidateMap& map) { return int32_view(map.user_offsets()); },
+          nb::rv_policy::reference_internal,
+          "read-only numpy int32 [U + 1]; user u's group in candidates_by_user is\n"
+          "[user_offsets[u], user_offsets[u + 1])")
+      .def_prop_ro(
+          "candidates_by_user",
+          [](const ikbo::CandidateMap& map) { return int32_view(map.candidates_by_user()); },
+          nb::rv_policy::reference_internal,
+          "read-only numpy int32 [B], candidate ids grouped by user (stable)")
+      .def("__repr__", [](const ikbo::CandidateMap& map) {
+        return "CandidateMap(num_candidates=" + std::to_string(map.num_candidates()) +
+               ", num_users=" + std::to_string(map.num_users()) + ", device='" +
+               ikbo::device_name(map.device()) + "', is_sorted=" + python_bool(map.is_sorted()) +
+               ", max_count=" + std::to_string(map.max_count()) + ")";
+      });
+}
+
+void bind_jagged_offsets(nb::module_& m) {
+  nb::class_<ikbo::JaggedOffsets>(
+      m, "JaggedOffsets",
+      "Offsets [U + 1] of a jagged per-user sequence such as variable-length K/V\n"
+      "histories: user u owns rows [offsets[u], offsets[u + 1]). Validated once\n"
+      "(starts at 0, non-decreasing, ends at total_rows). Immutable.")
+      .def(
+          "__init__",
+          [](ikbo::JaggedOffsets* self, InputArray offsets, std::int64_t total_rows,
+             std::uintptr_t stream) {
+            const ikbo::Tensor view = to_tensor(offsets, "kv_offsets");
+            nb::gil_scoped_release release;
+            new (self) ikbo::JaggedOffsets(
+                ikbo::JaggedOffsets::build(view, total_rows, to_stream(stream)));
+          },
+          "offsets"_a, "total_rows"_a, "stream"_a = 0,
+          "Builds the offsets from a 1-D int32 tensor of U + 1 entries on the CPU or a CUDA\n"
+          "device (they live where the tensor is).")
+      .def_prop_ro("num_users", &ikbo::JaggedOffsets::num_users, "U")
+      .def_prop_ro("total_rows", &ikbo::JaggedOffsets::total_rows, "rows of the jagged tensor")
+      .def_prop_ro("max_length", &ikbo::JaggedOffsets::max_length, "the longest user sequence")
+      .def_prop_ro(
+          "device",
+          [](const ikbo::JaggedOffsets& offsets) { return ikbo::device_name(offsets.device()); },
+          "'cpu' or 'cuda:<ordinal>'")
+      .def_prop_ro(
+          "offsets", [](const ikbo::JaggedOffsets& offsets) { return int32_view(offsets.host()); },
+          nb::rv_policy::reference_internal, "read-only numpy int32 [U + 1]")
+      .def("__repr__", [](const ikbo::JaggedOffsets& offsets) {
+        return "JaggedOffsets(num_users=" + std::to_string(offsets.num_users()) +
+               ", total_rows=" + std::to_string(offsets.total_rows()) +
+               ", max_length=" + std::to_string(offsets.max_length()) + ", device='" +
+               ikbo::device_name(offsets.device()) + "')";
+      });
+}
+
+void bind_lce(nb::module_& m) {
+  nb::class_<ikbo::LcePlan>(
+      m, "LcePlan",
+      "LCE weights prepared once and reused by every request: w_c [M, Kc] and\n"
+      "w_u [M, Ku] of one dtype on one device. Holds its own copy of the weights.")
+      .def(
+          "__init__",
+          [](ikbo::LcePlan* self, InputArray w_c, InputArray w_u, std::uintptr_t stream) {
+            const ikbo::Tensor w_c_view = to_tensor(w_c, "w_c");
+            const ikbo::Tensor w_u_view = to_tensor(w_u, "w_u");
+            nb::gil_scoped_release release;
+            new (self) ikbo::LcePlan(ikbo::LcePlan::create(w_c_view, w_u_view, to_stream(stream)));
+          },
+          "w_c"_a, "w_u"_a, "stream"_a = 0,
+          "Prepares the weights; on CUDA the copy is ordered on `stream` and synchronized.")
+      .def_prop_ro(
+          "dtype",
+          [](const ikbo::LcePlan& plan) { return std::string(ikbo::dtype_name(plan.dtype())); },
+          "'float16', 'bfloat16' or 'float32'")
+      .def_prop_ro(
+          "device", [](const ikbo::LcePlan& plan) { return ikbo::device_name(plan.device()); },
+          "'cpu' or 'cuda:<ordinal>'")
+      .def_prop_ro("m", &ikbo::LcePlan::m, "M, output rows per candidate")
+      .def_prop_ro("ku", &ikbo::LcePlan::ku, "Ku, the user-side K")
+      .def_prop_ro("kc", &ikbo::LcePlan::kc, "Kc, the candidate-side K")
+      .def("__repr__", [](const ikbo::LcePlan& plan) {
+        return "LcePlan(m=" + std::to_string(plan.m()) + ", ku=" + std::to_string(plan.ku()) +
+               ", kc=" + std::to_string(plan.kc()) + ", dtype='" + ikbo::dtype_name(plan.dtype()) +
+               "', device='" + ikbo::device_name(plan.device()) + "')";
+      });
+
+  m.def(
+      "lce_workspace_bytes",
+      [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map) {
+        return ikbo::lce_workspace_bytes(plan, to_tensor(e_c, "e_c"), to_tensor(e_u, "e_u"), map);
+      },
+      "plan"_a, "e_c"_a, "e_u"_a, "map"_a,
+      "Bytes of workspace lce() needs for these inputs (0 on the CPU). Validates the\n"
+      "inputs against the plan and the map exactly as lce() does.");
+
+  m.def(
+      "lce",
+      [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map,
+         OutputArray out, std::uintptr_t stream, std::optional<OutputArray> workspace) {
+        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
+        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
+        const ikbo::Tensor out_view = to_tensor(out, "out");
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device());
+        nb::gil_scoped_release release;
+        ikbo::lce(plan, e_c_view, e_u_view, map, out_view, to_stream(stream), scratch);
+      },
+      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "stream"_a = 0,
+      "workspace"_a.none() = nb::none(),
+      "out[b] = w_c @ e_c[b] + w_u @ e_u[map.cand_to_user[b]], written into out [B, M, N].\n"
+      "e_c [B, Kc, N], e_u [U, Ku, N], dense row-major, the plan's dtype and device.\n"
+      "On CUDA: asynchronous on `stream`; `workspace` is a writable buffer on the plan's\n"
+      "device of at least lce_workspace_bytes() bytes. Raises ValueError, with out\n"
+      "untouched, on any invalid argument.");
+}
+
+void bind_attention(nb::module_& m) {
+  m.def(
+      "attention",
+      [](InputArray q, InputArray k, InputArray v, const ikbo::CandidateMap& map, OutputArray out,
+         const ikbo::JaggedOffsets* kv_offsets, std::optional<float> scale, std::uintptr_t stream) {
+        const ikbo::Tensor q_view = to_tensor(q, "q");
+        const ikbo::Tensor k_view = to_tensor(k, "k");
+        const ikbo::Tensor v_view = to_tensor(v, "v");
+        const ikbo::Tensor out_view = to_tensor(out, "out");
+        nb::gil_scoped_release release;
+        ikbo::attention(q_view, k_view, v_view, map, out_view, kv_offsets, scale,
+                        to_stream(stream));
+      },
+      "q"_a, "k"_a, "v"_a, "map"_a, "out"_a, "kv_offsets"_a.none() = nb::none(),
+      "scale"_a.none() = nb::none(), "stream"_a = 0,
+      "out[b, :, h, :] = softmax(scale * q[b, :, h, :] @ k_u[:, h, :]^T) @ v_u[:, h, :], with\n"
+      "u = map.cand_to_user[b]. q, out [B, n_seed, H, D]; k, v dense [U, S, H, D], or jagged\n"
+      "[total, H, D] with kv_offsets. scale defaults to 1/sqrt(D); users with no keys get\n"
+      "zeros. On CUDA: asynchronous on `stream`, no workspace needed. Raises ValueError,\n"
+      "with out untouched, on any invalid argument.");
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() =
+      "ikbo._C: in-kernel broadcast ops for recommendation inference (nanobind bindings).\n"
+      "Use the friendlier wrappers in the `ikbo` package.";
+  m.attr("__version__") = IKBO_VERSION;
+  m.def("built_with_cuda", &ikbo::built_with_cuda,
+        "True when the library was compiled with its CUDA backend.");
+  m.def("cuda_device_count", &ikbo::cuda_device_count,
+        "Usable CUDA devices (0 without CUDA support or without a GPU).");
+  bind_candidate_map(m);
+  bind_jagged_offsets(m);
+  bind_lce(m);
+  bind_attention(m);
+}

@@ -1,0 +1,88 @@
+"""ikbo.attention on numpy (CPU backend) against a float64 reference, with
+dense and jagged K/V."""
+
+import numpy as np
+import pytest
+
+import ikbo
+from reference import assert_close, attention_reference, jagged_offsets, random_mapping
+
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+# name: (B, U, S, H, n_seed, D, sorted, users without candidates)
+DENSE_SHAPES = {
+    "one-seed-d64": (5, 2, 17, 2, 1, 64, True, ()),
+    "odd-seeds-d128-unsorted": (7, 3, 33, 1, 37, 128, False, (1,)),
+    "single-everything": (1, 1, 1, 1, 1, 64, True, ()),
+}
+
+# name: (per-user lengths, B, H, n_seed, D, sorted)
+JAGGED_SHAPES = {
+    "empty-histories-unsorted": ((0, 5, 33, 1), 9, 2, 3, 64, False),
+    "one-user-long": ((70,), 3, 1, 37, 128, True),
+    "all-empty": ((0, 0), 4, 1, 2, 64, False),
+}
+
+
+def randn(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("shape_name", DENSE_SHAPES)
+def test_dense_attention_into_poisoned_out(shape_name, dtype_name):
+    dtype = DTYPES[dtype_name]
+    num_candidates, num_users, seq_len, heads, n_seed, head_dim, sort, empty_users = DENSE_SHAPES[
+        shape_name
+    ]
+    rng = np.random.default_rng(list(DENSE_SHAPES).index(shape_name))
+    q = randn(rng, (num_candidates, n_seed, heads, head_dim), dtype)
+    k = randn(rng, (num_users, seq_len, heads, head_dim), dtype)
+    v = randn(rng, (num_users, seq_len, heads, head_dim), dtype)
+    cand_to_user = random_mapping(rng, num_candidates, num_users, sort, empty_users)
+    out = np.full_like(q, np.nan)
+    assert ikbo.attention(q, k, v, cand_to_user, out=out) is out
+    assert_close(out, attention_reference(q, k, v, cand_to_user), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("shape_name", JAGGED_SHAPES)
+def test_jagged_attention_into_poisoned_out(shape_name, dtype_name):
+    dtype = DTYPES[dtype_name]
+    lengths, num_candidates, heads, n_seed, head_dim, sort = JAGGED_SHAPES[shape_name]
+    rng = np.random.default_rng(10 + list(JAGGED_SHAPES).index(shape_name))
+    offsets = jagged_offsets(lengths)
+    total = int(offsets[-1])
+    q = randn(rng, (num_candidates, n_seed, heads, head_dim), dtype)
+    k = randn(rng, (total, heads, head_dim), dtype)
+    v = randn(rng, (total, heads, head_dim), dtype)
+    cand_to_user = random_mapping(rng, num_candidates, len(lengths), sort)
+    out = np.full_like(q, np.nan)
+    ikbo.attention(q, k, v, cand_to_user, kv_offsets=offsets, out=out)
+    expected = attention_reference(q, k, v, cand_to_user, offsets)
+    assert_close(out, expected, dtype_name)
+    for candidate, user in enumerate(cand_to_user):
+        if lengths[user] == 0:
+            assert not out[candidate].any(), "a user without history must give zeros"
+
+
+def test_attention_explicit_scale_and_prebuilt_state_allocates_numpy_output():
+    rng = np.random.default_rng(21)
+    lengths = (4, 0, 9)
+    offsets = jagged_offsets(lengths)
+    q = randn(rng, (5, 2, 2, 64), np.float32)
+    k = randn(rng, (int(offsets[-1]), 2, 64), np.float32)
+    v = randn(rng, (int(offsets[-1]), 2, 64), np.float32)
+    cand_to_user = np.array([2, 0, 1, 2, 0], dtype=np.int32)
+    candidate_map = ikbo.CandidateMap(cand_to_user, len(lengths))
+    kv_offsets = ikbo.JaggedOffsets(offsets, k.shape[0])
+    out = ikbo.attention(q, k, v, candidate_map, kv_offsets=kv_offsets, scale=0.3)
+    assert isinstance(out, np.ndarray) and out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, attention_reference(q, k, v, cand_to_user, offsets, scale=0.3), "float32")
+
+
+def test_attention_zero_candidates():
+    q = np.zeros((0, 1, 1, 64), dtype=np.float16)
+    k = np.ones((2, 3, 1, 64), dtype=np.float16)
+    out = ikbo.attention(q, k, k, np.zeros(0, dtype=np.int32))
+    assert out.shape == q.shape

@@ -1,0 +1,259 @@
+"""ikbo on CUDA through torch (and cupy when installed): correctness against
+float64 references, the caller's current stream, device checks, and CUDA
+graph capture (the ops neither allocate nor synchronize)."""
+
+import re
+
+import numpy as np
+import pytest
+
+import ikbo
+from reference import TOLERANCE, assert_close, jagged_offsets, lce_reference
+
+try:
+    import torch
+except ImportError as error:
+    pytest.skip(f"no CUDA device: torch is not importable ({error})", allow_module_level=True)
+if not ikbo.built_with_cuda():
+    pytest.skip("no CUDA device: this ikbo build has no CUDA backend", allow_module_level=True)
+if not torch.cuda.is_available() or ikbo.cuda_device_count() == 0:
+    pytest.skip(
+        f"no CUDA device: torch.cuda.is_available() = {torch.cuda.is_available()}, "
+        f"ikbo.cuda_device_count() = {ikbo.cuda_device_count()}",
+        allow_module_level=True,
+    )
+
+DEVICE = torch.device("cuda", 0)
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def randn(generator, shape, dtype, scale=1.0):
+    values = torch.randn(shape, generator=generator, device=DEVICE, dtype=torch.float32) * scale
+    return values.to(dtype)
+
+
+def lce_reference_cuda(w_c, w_u, e_c, e_u, cand_to_user):
+    """float64 on the GPU, the user term computed once per user then gathered."""
+    user_part = w_u.double() @ e_u.double()
+    return w_c.double() @ e_c.double() + user_part[cand_to_user.long()]
+
+
+def assert_close_cuda(actual, expected, dtype_name):
+    assert actual.device == expected.device and actual.shape == expected.shape
+    values = actual.double()
+    assert torch.isfinite(values).all(), (
+        "output has non-finite entries (NaN poison not overwritten?)"
+    )
+    error = (
+        torch.linalg.vector_norm(values - expected) / torch.linalg.vector_norm(expected)
+    ).item()
+    assert error <= TOLERANCE[dtype_name], (
+        f"relative Frobenius error {error:.3g} > {TOLERANCE[dtype_name]}"
+    )
+
+
+def lce_inputs(dtype, m, ku, kc, n, num_candidates, num_users, seed):
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    w_c = randn(generator, (m, kc), dtype, kc**-0.5)
+    w_u = randn(generator, (m, ku), dtype, ku**-0.5)
+    e_c = randn(generator, (num_candidates, kc, n), dtype)
+    e_u = randn(generator, (num_users, ku, n), dtype)
+    cand_to_user = torch.randint(
+        0, num_users, (num_candidates,), generator=generator, device=DEVICE, dtype=torch.int32
+    )
+    return w_c, w_u, e_c, e_u, cand_to_user
+
+
+@pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
+def test_lce_reference_shape(dtype_name):
+    # The published reference: M=433, N=256, Ku=1178, Kc=866, B=1024, U=15.
+    inputs = lce_inputs(TORCH_DTYPES[dtype_name], 433, 1178, 866, 256, 1024, 15, seed=1)
+    out = ikbo.lce(*inputs)
+    assert out.device == DEVICE and out.dtype == TORCH_DTYPES[dtype_name]
+    assert_close_cuda(out, lce_reference_cuda(*inputs), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "shape",
+    [(5, 3, 4, 1, 1, 1), (17, 9, 13, 5, 11, 6), (8, 1, 1, 7, 40, 2)],
+    ids=["single", "odd", "k-of-one"],
+)
+def test_lce_small_odd_shapes_into_poisoned_out(dtype_name, shape):
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(TORCH_DTYPES[dtype_name], *shape, seed=2)
+    out = torch.full(
+        (e_c.shape[0], w_c.shape[0], e_c.shape[2]),
+        float("nan"),
+        dtype=TORCH_DTYPES[dtype_name],
+        device=DEVICE,
+    )
+    ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user, out=out)
+    assert_close_cuda(out, lce_reference_cuda(w_c, w_u, e_c, e_u, cand_to_user), dtype_name)
+
+
+def attention_reference_cuda(q, k, v, cand_to_user, offsets=None, scale=None):
+    """float64 on the GPU, one user at a time (all of its candidates at once)."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros_like(q64)
+    mapping = cand_to_user.long()
+    num_users = k.shape[0] if offsets is None else len(offsets) - 1
+    for user in range(num_users):
+        candidates = torch.nonzero(mapping == user).flatten()
+        if offsets is None:
+            keys, values = k64[user], v64[user]
+        else:
+            keys, values = (
+                k64[offsets[user] : offsets[user + 1]],
+                v64[offsets[user] : offsets[user + 1]],
+            )
+        if candidates.numel() == 0 or keys.shape[0] == 0:
+            continue
+        scores = scale * torch.einsum("bshd,thd->bhst", q64[candidates], keys)
+        out[candidates] = torch.einsum("bhst,thd->bshd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dense_attention(dtype_name, head_dim):
+    # Reference-like: ratio 64/65, H=2, n_seed=64, odd S.
+    dtype = TORCH_DTYPES[dtype_name]
+    generator = torch.Generator(device=DEVICE).manual_seed(3)
+    num_users, seq_len = 3, 500
+    counts = torch.tensor([64, 65, 64])
+    cand_to_user = torch.repeat_interleave(torch.arange(num_users), counts).to(DEVICE, torch.int32)
+    q = randn(generator, (int(counts.sum()), 64, 2, head_dim), dtype)
+    k = randn(generator, (num_users, seq_len, 2, head_dim), dtype)
+    v = randn(generator, (num_users, seq_len, 2, head_dim), dtype)
+    out = ikbo.attention(q, k, v, cand_to_user)
+    assert out.device == DEVICE and out.dtype == dtype
+    assert_close_cuda(out, attention_reference_cuda(q, k, v, cand_to_user), dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
+def test_jagged_attention_unsorted_with_empty_histories(dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    generator = torch.Generator(device=DEVICE).manual_seed(4)
+    lengths = (0, 5, 130, 1, 0)
+    offsets = jagged_offsets(lengths)
+    total = int(offsets[-1])
+    cand_to_user = torch.tensor([2, 0, 4, 2, 1, 3, 2, 0, 1], dtype=torch.int32, device=DEVICE)
+    q = randn(generator, (9, 37, 1, 128), dtype)
+    k = randn(generator, (total, 1, 128), dtype)
+    v = randn(generator, (total, 1, 128), dtype)
+    out = torch.full_like(q, float("nan"))
+    ikbo.attention(
+        q, k, v, cand_to_user, kv_offsets=torch.from_numpy(offsets).to(DEVICE), scale=0.05, out=out
+    )
+    expected = attention_reference_cuda(q, k, v, cand_to_user, offsets.tolist(), scale=0.05)
+    assert_close_cuda(out, expected, dtype_name)
+    empty = (cand_to_user == 0) | (cand_to_user == 4)
+    assert (out[empty] == 0).all(), "a user without history must give zeros"
+
+
+def test_candidate_map_on_cuda():
+    cand_to_user = torch.tensor([2, 0, 2, 2], dtype=torch.int32, device=DEVICE)
+    candidate_map = ikbo.CandidateMap(cand_to_user, 3)
+    assert candidate_map.device == "cuda:0"
+    np.testing.assert_array_equal(candidate_map.user_counts, [1, 0, 3])
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap(torch.tensor([0, 5], dtype=torch.int32, device=DEVICE), 3)
+    assert str(error.value) == "cand_to_user[1] = 5 is out of range [0, 3)"
+
+
+def test_runs_on_the_current_stream():
+    inputs = lce_inputs(torch.float16, 64, 96, 80, 32, 256, 4, seed=5)
+    plan = ikbo.LcePlan(inputs[0], inputs[1])
+    candidate_map = ikbo.CandidateMap(inputs[4], 4)
+    expected = lce_reference_cuda(*inputs)
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        outputs = [ikbo.lce(plan, None, inputs[2], inputs[3], candidate_map) for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(side_stream)
+    for out in outputs:
+        assert_close_cuda(out, expected, "float16")
+
+
+def test_device_mismatches_leave_out_untouched():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.float16, 8, 5, 6, 3, 4, 2, seed=6)
+    out = torch.full((4, 8, 3), 7.0, dtype=torch.float16, device=DEVICE)
+    cpu_map = ikbo.CandidateMap(cand_to_user.cpu(), 2)
+    with pytest.raises(
+        ValueError, match=re.escape("the candidate map must be on cuda:0 like the weights, got cpu")
+    ):
+        ikbo.lce(w_c, w_u, e_c, e_u, cpu_map, out=out)
+    with pytest.raises(ValueError, match=re.escape("e_c must be on cuda:0, got cpu")):
+        ikbo.lce(w_c, w_u, e_c.cpu(), e_u, cand_to_user, out=out)
+    with pytest.raises(ValueError, match=re.escape("out must be on cuda:0, got cpu")):
+        ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user, out=out.cpu())
+    assert (out == 7.0).all()
+    plan = ikbo.LcePlan(w_c, w_u)
+    candidate_map = ikbo.CandidateMap(cand_to_user, 2)
+    needed = ikbo._C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
+    if needed:
+        too_small = torch.empty(needed - 1, dtype=torch.uint8, device=DEVICE)
+        with pytest.raises(ValueError, match=f"workspace must hold {needed} bytes"):
+            ikbo._C.lce(
+                plan,
+                e_c,
+                e_u,
+                candidate_map,
+                out,
+                torch.cuda.current_stream().cuda_stream,
+                too_small,
+            )
+        with pytest.raises(ValueError, match="workspace must be on cuda:0 like the plan, got cpu"):
+            ikbo._C.lce(
+                plan, e_c, e_u, candidate_map, out, 0, torch.empty(needed, dtype=torch.uint8)
+            )
+    assert (out == 7.0).all()
+
+
+def test_cuda_graph_capture_and_replay():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.float16, 33, 40, 24, 16, 70, 3, seed=7)
+    plan = ikbo.LcePlan(w_c, w_u)
+    candidate_map = ikbo.CandidateMap(cand_to_user, 3)
+    lce_out = torch.empty(70, 33, 16, dtype=torch.float16, device=DEVICE)
+    generator = torch.Generator(device=DEVICE).manual_seed(8)
+    q = randn(generator, (70, 4, 2, 64), torch.float16)
+    k = randn(generator, (3, 50, 2, 64), torch.float16)
+    v = randn(generator, (3, 50, 2, 64), torch.float16)
+    attention_out = torch.empty_like(q)
+
+    def step():
+        ikbo.lce(plan, None, e_c, e_u, candidate_map, out=lce_out)
+        ikbo.attention(q, k, v, candidate_map, out=attention_out)
+
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        step()
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    e_c.copy_(torch.randn_like(e_c))
+    q.copy_(torch.randn_like(q))
+    lce_out.fill_(float("nan"))
+    attention_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_cuda(lce_out, lce_reference_cuda(w_c, w_u, e_c, e_u, cand_to_user), "float16")
+    assert_close_cuda(attention_out, attention_reference_cuda(q, k, v, cand_to_user), "float16")
+
+
+def test_cupy_arrays():
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
+    rng = np.random.default_rng(9)
+    host = [
+        rng.standard_normal(shape).astype(np.float16)
+        for shape in [(12, 7), (12, 5), (6, 7, 3), (2, 5, 3)]
+    ]
+    cand_to_user = np.array([1, 0, 1, 1, 0, 0], dtype=np.int32)
+    w_c, w_u, e_c, e_u = (cupy.asarray(array) for array in host)
+    out = ikbo.lce(w_c, w_u, e_c, e_u, cupy.asarray(cand_to_user))
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
+    cupy.cuda.get_current_stream().synchronize()
+    assert_close(cupy.asnumpy(out), lce_reference(*host, cand_to_user), "float16")

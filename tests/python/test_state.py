@@ -1,0 +1,132 @@
+"""CandidateMap, JaggedOffsets and LcePlan from Python: derived arrays,
+properties, and the library's validation messages arriving as ValueError."""
+
+import re
+
+import numpy as np
+import pytest
+
+import ikbo
+
+
+def test_build_info():
+    assert isinstance(ikbo.built_with_cuda(), bool)
+    assert isinstance(ikbo.cuda_device_count(), int)
+    assert ikbo.cuda_device_count() >= 0
+    if not ikbo.built_with_cuda():
+        assert ikbo.cuda_device_count() == 0
+    assert re.fullmatch(r"\d+\.\d+\.\d+", ikbo.__version__)
+
+
+def test_candidate_map_derives_groups_of_an_unsorted_mapping():
+    cand_to_user = np.array([2, 0, 4, 0, 2, 2], dtype=np.int32)
+    candidate_map = ikbo.CandidateMap(cand_to_user, 5)
+    assert candidate_map.num_candidates == 6
+    assert candidate_map.num_users == 5
+    assert candidate_map.device == "cpu"
+    assert not candidate_map.is_sorted
+    assert candidate_map.max_count == 3
+    np.testing.assert_array_equal(candidate_map.cand_to_user, cand_to_user)
+    np.testing.assert_array_equal(candidate_map.user_counts, [2, 0, 3, 0, 1])
+    np.testing.assert_array_equal(candidate_map.user_offsets, [0, 2, 2, 5, 5, 6])
+    # Stable grouping: within a user, candidates keep their original order.
+    np.testing.assert_array_equal(candidate_map.candidates_by_user, [1, 3, 0, 4, 5, 2])
+    assert candidate_map.user_offsets.dtype == np.int32
+    assert "num_candidates=6" in repr(candidate_map)
+
+
+def test_candidate_map_arrays_are_read_only_views_that_outlive_the_expression():
+    offsets = ikbo.CandidateMap(np.array([0, 0, 1], dtype=np.int32), 2).user_offsets
+    assert not offsets.flags.writeable
+    with pytest.raises(ValueError):
+        offsets[0] = 7
+    np.testing.assert_array_equal(offsets, [0, 2, 3])
+
+
+def test_candidate_map_sorted_and_empty():
+    sorted_map = ikbo.CandidateMap(np.array([0, 0, 1, 3], dtype=np.int32), 4)
+    assert sorted_map.is_sorted
+    empty = ikbo.CandidateMap(np.zeros(0, dtype=np.int32), 3)
+    assert empty.num_candidates == 0
+    assert empty.max_count == 0
+    assert empty.candidates_by_user.shape == (0,)
+    np.testing.assert_array_equal(empty.user_offsets, [0, 0, 0, 0])
+
+
+def test_candidate_map_accepts_read_only_input():
+    cand_to_user = np.array([1, 0], dtype=np.int32)
+    cand_to_user.setflags(write=False)
+    assert ikbo.CandidateMap(cand_to_user, 2).num_candidates == 2
+
+
+@pytest.mark.parametrize("bad_value", [3, -1])
+def test_candidate_map_out_of_range_message(bad_value):
+    cand_to_user = np.array([0, bad_value, 1], dtype=np.int32)
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap(cand_to_user, 3)
+    assert str(error.value) == f"cand_to_user[1] = {bad_value} is out of range [0, 3)"
+
+
+def test_candidate_map_rejects_wrong_dtype_rank_and_strides():
+    with pytest.raises(ValueError, match="cand_to_user has dtype int64, which ikbo does not take"):
+        ikbo.CandidateMap(np.array([0, 1], dtype=np.int64), 2)
+    with pytest.raises(ValueError, match="cand_to_user must have dtype int32, got float32"):
+        ikbo.CandidateMap(np.array([0, 1], dtype=np.float32), 2)
+    with pytest.raises(ValueError, match="cand_to_user must have 1 dimension"):
+        ikbo.CandidateMap(np.zeros((2, 2), dtype=np.int32), 2)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "cand_to_user must be contiguous (row-major), got strides [2] (in elements) for shape [3]"
+        ),
+    ):
+        ikbo.CandidateMap(np.arange(6, dtype=np.int32)[::2], 6)
+    with pytest.raises(ValueError, match=re.escape("num_users must be in [1, ")):
+        ikbo.CandidateMap(np.zeros(2, dtype=np.int32), 0)
+
+
+def test_jagged_offsets_properties_and_validation():
+    offsets = ikbo.JaggedOffsets(np.array([0, 0, 3, 5], dtype=np.int32), 5)
+    assert (offsets.num_users, offsets.total_rows, offsets.max_length) == (3, 5, 3)
+    assert offsets.device == "cpu"
+    np.testing.assert_array_equal(offsets.offsets, [0, 0, 3, 5])
+    with pytest.raises(ValueError, match=re.escape("kv_offsets[0] must be 0, got 1")):
+        ikbo.JaggedOffsets(np.array([1, 3], dtype=np.int32), 3)
+    with pytest.raises(ValueError, match="kv_offsets must be non-decreasing"):
+        ikbo.JaggedOffsets(np.array([0, 4, 2], dtype=np.int32), 2)
+    with pytest.raises(
+        ValueError, match=re.escape("kv_offsets[2] must equal the number of K/V rows 9, got 5")
+    ):
+        ikbo.JaggedOffsets(np.array([0, 2, 5], dtype=np.int32), 9)
+
+
+def test_lce_plan_properties_and_validation():
+    w_c = np.ones((7, 5), dtype=np.float16)
+    w_u = np.ones((7, 3), dtype=np.float16)
+    plan = ikbo.LcePlan(w_c, w_u)
+    assert (plan.m, plan.ku, plan.kc) == (7, 3, 5)
+    assert plan.dtype == "float16"
+    assert plan.device == "cpu"
+    assert "m=7" in repr(plan)
+    with pytest.raises(ValueError, match=re.escape("w_u dimension 0 must be 7 (M of w_c), got 6")):
+        ikbo.LcePlan(w_c, np.ones((6, 3), dtype=np.float16))
+    with pytest.raises(ValueError, match="w_u must have dtype float16, got float32"):
+        ikbo.LcePlan(w_c, np.ones((7, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="w_c has dtype float64, which ikbo does not take"):
+        ikbo.LcePlan(np.ones((7, 5)), np.ones((7, 3)))
+    with pytest.raises(ValueError, match=re.escape("w_c must be contiguous (row-major)")):
+        ikbo.LcePlan(np.ones((5, 7), dtype=np.float16).T, w_u)
+
+
+def test_plan_keeps_its_own_copy_of_the_weights():
+    rng = np.random.default_rng(3)
+    w_c = rng.standard_normal((4, 3)).astype(np.float32)
+    w_u = rng.standard_normal((4, 2)).astype(np.float32)
+    e_c = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    e_u = rng.standard_normal((1, 2, 5)).astype(np.float32)
+    cand_to_user = np.zeros(2, dtype=np.int32)
+    plan = ikbo.LcePlan(w_c, w_u)
+    expected = ikbo.lce(plan, None, e_c, e_u, cand_to_user)
+    w_c[:] = np.nan
+    del w_u
+    np.testing.assert_array_equal(ikbo.lce(plan, None, e_c, e_u, cand_to_user), expected)
