@@ -1,0 +1,74 @@
+// options.hpp — ikbo-bench's command line, and the default shapes per device.
+//
+//   ikbo-bench [lce|attention|all] [--device cpu|cuda[:N]] [--dtype f16|bf16|f32]
+//              [--B list] [--ratio list] [--M n] [--N n] [--Ku n] [--Kc n]
+//              [--S list] [--H n] [--n-seed n] [--D n] [--jagged] [--unsorted]
+//              [--reps n] [--warmup n] [--json FILE] [--quick]
+//
+// Lists are comma separated. Explicit --B, --ratio and --S lists are crossed
+// with each other; a list not given takes the suite's reference value. With
+// neither --B nor --ratio, the LCE suite runs both SPEC sweeps (B at ratio 70,
+// then ratio at the sweep's B). Defaults depend on the device (GPU: the SPEC
+// reference shapes in fp16; CPU: a scaled-down fp32 set that finishes in
+// under a minute on 2 cores); --quick keeps one shape per suite and fewer
+// reps, a smoke run. Options given explicitly always win.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ikbo/tensor.hpp"
+
+namespace ikbo::bench {
+
+struct LceShape {
+  std::int64_t batch = 0;
+  std::int64_t ratio = 0;
+};
+
+struct AttentionShape {
+  std::int64_t batch = 0;
+  std::int64_t ratio = 0;
+  std::int64_t seq_len = 0;  // jagged: the mean history length
+};
+
+struct LceDims {
+  std::int64_t m = 0, n = 0, ku = 0, kc = 0;
+};
+
+struct AttentionDims {
+  std::int64_t heads = 0, n_seed = 0, head_dim = 0;
+  bool jagged = false;  // per-user lengths drawn around S instead of S for all
+};
+
+struct Options {
+  bool run_lce = true;
+  bool run_attention = true;
+  Device device{};
+  DType dtype = DType::f16;
+  LceDims lce;
+  std::vector<LceShape> lce_shapes;
+  AttentionDims attention;
+  std::vector<AttentionShape> attention_shapes;
+  bool sorted_map = true;  // candidates grouped by user, as in the SPEC reference
+  int reps = 0;
+  int warmup = 0;
+  std::string json_path;  // empty: no JSON
+};
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Throws UsageError for a malformed command line; nullopt when --help was printed.
+std::optional<Options> parse_options(int argc, const char* const* argv);
+
+// "fp16", "bf16", "fp32": the dtype as records and tables name it.
+std::string_view dtype_label(DType dtype);
+
+}  // namespace ikbo::bench

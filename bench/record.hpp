@@ -1,0 +1,44 @@
+// record.hpp — one benchmark result: one variant of one op at one shape,
+// with its roofline figures. Flat, as the JSON record format of DESIGN.md
+// ("Benchmark record format") stores it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ikbo/tensor.hpp"
+
+namespace ikbo::bench {
+
+struct ShapeField {
+  std::string name;  // "B", "ratio", "U", then the suite's dims ("M", "S", ...)
+  std::int64_t value = 0;
+  friend bool operator==(const ShapeField&, const ShapeField&) = default;
+};
+
+enum class Outcome { measured, skipped, failed };
+
+struct Record {
+  std::string suite;    // "lce" | "attention"
+  std::string variant;  // "ikbo" | "broadcast" | "broadcast+copy"
+  DType dtype = DType::f16;
+  std::vector<ShapeField> shape;
+  std::optional<bool> jagged;  // attention only
+
+  Outcome outcome = Outcome::measured;
+  std::string note;  // skipped: why; failed: the error
+
+  // Measured records only. TFLOP/s and GB/s use the same useful work and
+  // minimum traffic for every variant of a shape, so they compare directly.
+  double median_ms = 0;
+  double tflops = 0;
+  double gbps = 0;
+  double floor_ms = 0;
+  double pct_of_floor = 0;  // 100 * floor_ms / median_ms: 100 means at the roofline
+  std::optional<double> speedup_vs_broadcast_copy;  // t(broadcast+copy) / t(this)
+  std::optional<double> speedup_vs_broadcast;       // t(broadcast) / t(this)
+};
+
+}  // namespace ikbo::bench

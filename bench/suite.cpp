@@ -1,0 +1,122 @@
+// suite.cpp — measuring one variant into a record, and the speedups within a shape.
+#include "suite.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <exception>
+#include <iostream>
+
+namespace ikbo::bench {
+namespace {
+
+constexpr std::array<std::string_view, 3> kVariantOrder{kIkbo, kBroadcast, kBroadcastCopy};
+
+std::size_t variant_rank(std::string_view variant) {
+  return static_cast<std::size_t>(std::find(kVariantOrder.begin(), kVariantOrder.end(), variant) -
+                                  kVariantOrder.begin());
+}
+
+}  // namespace
+
+std::string describe_shape(const std::vector<ShapeField>& shape) {
+  std::string text;
+  for (const auto& field : shape) {
+    if (!text.empty()) text += ' ';
+    text += field.name + '=' + std::to_string(field.value);
+  }
+  return text;
+}
+
+ShapeRecords::ShapeRecords(const BenchContext& context, std::string suite,
+                           std::vector<ShapeField> shape, Work work, std::optional<bool> jagged)
+    : context_(context),
+      suite_(std::move(suite)),
+      shape_(std::move(shape)),
+      work_(work),
+      jagged_(jagged) {}
+
+Record ShapeRecords::make_record(std::string_view variant) const {
+  Record record;
+  record.suite = suite_;
+  record.variant = variant;
+  record.dtype = context_.options.dtype;
+  record.shape = shape_;
+  record.jagged = jagged_;
+  return record;
+}
+
+void ShapeRecords::add(Record record) {
+  std::cerr << suite_ << ' ' << describe_shape(shape_) << ' ' << record.variant << ": ";
+  switch (record.outcome) {
+    case Outcome::measured: {
+      char line[96];
+      std::snprintf(line, sizeof line, "%.4g ms, %.0f%% of floor", record.median_ms,
+                    record.pct_of_floor);
+      std::cerr << line << '\n';
+      break;
+    }
+    case Outcome::skipped: std::cerr << "skipped: " << record.note << '\n'; break;
+    case Outcome::failed: std::cerr << "FAILED: " << record.note << '\n'; break;
+  }
+  records_.push_back(std::move(record));
+}
+
+void ShapeRecords::measure(std::string_view variant, const std::function<void()>& op) {
+  Record record = make_record(variant);
+  try {
+    record.median_ms = context_.timer.median_ms(op, context_.options.warmup, context_.options.reps);
+  } catch (const std::exception& error) {
+    record.outcome = Outcome::failed;
+    record.note = error.what();
+    add(std::move(record));
+    return;
+  }
+  record.tflops = work_.flops / (record.median_ms * 1e9);
+  record.gbps = work_.min_bytes / (record.median_ms * 1e6);
+  record.floor_ms = context_.ceilings.floor_ms(work_.flops, work_.min_bytes);
+  record.pct_of_floor = 100.0 * record.floor_ms / record.median_ms;
+  add(std::move(record));
+}
+
+void ShapeRecords::skip(std::string_view variant, std::string reason) {
+  Record record = make_record(variant);
+  record.outcome = Outcome::skipped;
+  record.note = std::move(reason);
+  add(std::move(record));
+}
+
+void ShapeRecords::fail_remaining(std::string_view error) {
+  for (std::string_view variant : kVariantOrder) {
+    const bool recorded = std::any_of(records_.begin(), records_.end(), [&](const Record& record) {
+      return record.variant == variant;
+    });
+    if (recorded) continue;
+    Record record = make_record(variant);
+    record.outcome = Outcome::failed;
+    record.note = error;
+    add(std::move(record));
+  }
+}
+
+std::vector<Record> ShapeRecords::finish() {
+  std::stable_sort(records_.begin(), records_.end(), [](const Record& a, const Record& b) {
+    return variant_rank(a.variant) < variant_rank(b.variant);
+  });
+  auto median_of = [&](std::string_view variant) -> std::optional<double> {
+    for (const auto& record : records_) {
+      if (record.variant == variant && record.outcome == Outcome::measured) return record.median_ms;
+    }
+    return std::nullopt;
+  };
+  const auto broadcast_copy_ms = median_of(kBroadcastCopy);
+  const auto broadcast_ms = median_of(kBroadcast);
+  for (auto& record : records_) {
+    if (record.outcome != Outcome::measured) continue;
+    if (broadcast_copy_ms) record.speedup_vs_broadcast_copy = *broadcast_copy_ms / record.median_ms;
+    if (broadcast_ms) record.speedup_vs_broadcast = *broadcast_ms / record.median_ms;
+  }
+  return std::move(records_);
+}
+
+}  // namespace ikbo::bench

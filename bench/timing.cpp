@@ -1,0 +1,111 @@
+// timing.cpp — run times on the CPU (steady_clock) or a CUDA device
+// (events, L2 flushed before every run).
+#include "timing.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "ikbo/error.hpp"
+
+#ifdef IKBO_WITH_CUDA
+#include "cuda_check.hpp"
+#endif
+
+namespace ikbo::bench {
+namespace {
+
+#ifdef IKBO_WITH_CUDA
+class CudaEvent {
+ public:
+  CudaEvent() { IKBO_BENCH_CHECK(cudaEventCreate(&event_)); }
+  ~CudaEvent() { cudaEventDestroy(event_); }  // must not throw
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+std::size_t l2_flush_bytes(Device device) {
+  int l2_bytes = 0;
+  IKBO_BENCH_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device.index));
+  return 2 * static_cast<std::size_t>(l2_bytes);
+}
+#endif
+
+}  // namespace
+
+Timer::Timer(Device device, Stream stream) : device_(device), stream_(stream) {
+  if (!device.is_cuda()) return;
+#ifdef IKBO_WITH_CUDA
+  l2_flush_ = Buffer(l2_flush_bytes(device), device);
+#else
+  throw Error("a CUDA device was requested, but ikbo-bench was built without CUDA");
+#endif
+}
+
+std::vector<double> Timer::run_ms(const std::function<void()>& op, int warmup, int reps) const {
+  if (reps < 1) throw Error("Timer: reps must be >= 1");
+#ifdef IKBO_WITH_CUDA
+  if (device_.is_cuda()) return run_ms_cuda(op, warmup, reps);
+#endif
+  return run_ms_cpu(op, warmup, reps);
+}
+
+double Timer::median_ms(const std::function<void()>& op, int warmup, int reps) const {
+  std::vector<double> samples = run_ms(op, warmup, reps);
+  std::sort(samples.begin(), samples.end());
+  const std::size_t middle = samples.size() / 2;
+  return samples.size() % 2 ? samples[middle] : 0.5 * (samples[middle - 1] + samples[middle]);
+}
+
+double Timer::fastest_ms(const std::function<void()>& op, int warmup, int reps) const {
+  const std::vector<double> samples = run_ms(op, warmup, reps);
+  return *std::min_element(samples.begin(), samples.end());
+}
+
+std::vector<double> Timer::run_ms_cpu(const std::function<void()>& op, int warmup, int reps) const {
+  for (int i = 0; i < warmup; ++i) op();
+  std::vector<double> samples;
+  samples.reserve(static_cast<std::size_t>(reps));
+  for (int i = 0; i < reps; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    op();
+    const auto stop = std::chrono::steady_clock::now();
+    samples.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+  }
+  return samples;
+}
+
+#ifdef IKBO_WITH_CUDA
+std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warmup,
+                                       int reps) const {
+  const auto stream = static_cast<cudaStream_t>(stream_);
+  for (int i = 0; i < warmup; ++i) op();
+  // One event pair per run, read after the last: the host enqueues every run
+  // ahead of the GPU, so no host round trip sits between two timed runs.
+  std::vector<CudaEvent> starts(static_cast<std::size_t>(reps));
+  std::vector<CudaEvent> stops(static_cast<std::size_t>(reps));
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    IKBO_BENCH_CHECK(
+        cudaMemsetAsync(l2_flush_.data(), static_cast<int>(i & 0xff), l2_flush_.bytes(), stream));
+    IKBO_BENCH_CHECK(cudaEventRecord(starts[i].get(), stream));
+    op();
+    IKBO_BENCH_CHECK(cudaEventRecord(stops[i].get(), stream));
+  }
+  IKBO_BENCH_CHECK(cudaEventSynchronize(stops.back().get()));
+  IKBO_BENCH_CHECK(cudaGetLastError());
+  std::vector<double> samples;
+  samples.reserve(starts.size());
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    float elapsed_ms = 0;
+    IKBO_BENCH_CHECK(cudaEventElapsedTime(&elapsed_ms, starts[i].get(), stops[i].get()));
+    samples.push_back(elapsed_ms);
+  }
+  return samples;
+}
+#endif
+
+}  // namespace ikbo::bench

@@ -1,0 +1,43 @@
+// timing.hpp — the one way ikbo-bench times an op.
+//
+// GPU: CUDA events around each run on the bench's stream; before every run
+// (outside the events) a memset over a buffer twice the L2 size evicts the
+// previous run's data, so every run starts from HBM as in a real request.
+// CPU: std::chrono::steady_clock around each (synchronous) run; nothing is
+// flushed, the inputs are far larger than the caches anyway.
+// Both: `warmup` untimed runs first, then `reps` timed runs. Records report
+// the median run; ceilings the fastest (the best the platform reached).
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "device_resources.hpp"
+#include "ikbo/tensor.hpp"
+
+namespace ikbo::bench {
+
+class Timer {
+ public:
+  Timer(Device device, Stream stream);
+
+  // Milliseconds of each timed run, in run order.
+  std::vector<double> run_ms(const std::function<void()>& op, int warmup, int reps) const;
+  double median_ms(const std::function<void()>& op, int warmup, int reps) const;
+  double fastest_ms(const std::function<void()>& op, int warmup, int reps) const;
+
+  Device device() const { return device_; }
+  Stream stream() const { return stream_; }
+
+ private:
+  std::vector<double> run_ms_cpu(const std::function<void()>& op, int warmup, int reps) const;
+#ifdef IKBO_WITH_CUDA
+  std::vector<double> run_ms_cuda(const std::function<void()>& op, int warmup, int reps) const;
+  Buffer l2_flush_;
+#endif
+
+  Device device_;
+  Stream stream_;
+};
+
+}  // namespace ikbo::bench
