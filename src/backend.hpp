@@ -61,6 +61,7 @@ struct GatherRowsArgs {
   std::int64_t row_bytes = 0;
   const std::int32_t* index = nullptr;
   std::int64_t rows = 0;
+  Device device{};
   Stream stream = nullptr;
 };
 

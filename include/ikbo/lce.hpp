@@ -23,8 +23,10 @@
 
 namespace ikbo {
 
-// Caller-owned scratch memory on the op's device. Ops never allocate device
-// memory or synchronize, so a call can be captured in a CUDA graph.
+// Caller-owned scratch memory on the op's device, 256-byte aligned (as
+// cudaMalloc and framework allocators return it). Ops never allocate device
+// memory or synchronize, so a call can be captured in a CUDA graph. One
+// workspace must not be used by two ops running concurrently.
 struct Workspace {
   void* data = nullptr;
   std::size_t bytes = 0;

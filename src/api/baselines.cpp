@@ -7,7 +7,8 @@
 namespace ikbo::baseline {
 namespace {
 
-void gather(const detail::GatherRowsArgs& args, Device device) {
+void gather(detail::GatherRowsArgs args, Device device) {
+  args.device = device;
   if (device.is_cuda()) {
     detail::cuda::gather_rows(args);
   } else {
@@ -41,10 +42,10 @@ void replicate_lce_input(const Tensor& e_c, const Tensor& e_u, const CandidateMa
   const std::int64_t row_full = (ku + kc) * n * element;
   auto* dst = static_cast<char*>(e_full.data);
   gather({dst, row_full, e_u.data, ku * n * element, ku * n * element, map_index(map, e_c.device),
-          b, stream},
+          b, {}, stream},
          e_c.device);
   gather({dst + ku * n * element, row_full, e_c.data, kc * n * element, kc * n * element, nullptr,
-          b, stream},
+          b, {}, stream},
          e_c.device);
 }
 
@@ -80,7 +81,7 @@ void replicate_kv(const Tensor& kv, const CandidateMap& map, const Tensor& kv_fu
                       "[B, S, H, D]");
   const std::int64_t row = kv.size(1) * kv.size(2) * kv.size(3) *
                            static_cast<std::int64_t>(dtype_size(kv.dtype));
-  gather({kv_full.data, row, kv.data, row, row, map_index(map, kv.device), b, stream}, kv.device);
+  gather({kv_full.data, row, kv.data, row, row, map_index(map, kv.device), b, {}, stream}, kv.device);
 }
 
 }  // namespace ikbo::baseline

@@ -5,6 +5,8 @@
 namespace ikbo {
 namespace {
 
+constexpr std::uintptr_t kWorkspaceAlignment = 256;
+
 using detail::check_dim;
 using detail::check_tensor;
 using detail::require;
@@ -92,6 +94,9 @@ void lce(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const Candid
     require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr),
             "workspace must hold ", needed, " bytes (see lce_workspace_bytes), got ",
             workspace.bytes, workspace.data ? " bytes" : " bytes at a null pointer");
+    require(reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment == 0,
+            "workspace must be ", kWorkspaceAlignment, "-byte aligned, got address ",
+            workspace.data);
     detail::cuda::lce(args);
   } else {
     detail::cpu::lce(args);

@@ -56,23 +56,11 @@ void launch_gather(const GatherRowsArgs& args, cudaStream_t stream) {
   check_launch("gather_rows_kernel");
 }
 
-// The device that owns `pointer` (the backend interface passes no device for
-// this op); -1 when the runtime does not know the pointer.
-int device_of(const void* pointer) {
-  cudaPointerAttributes attributes{};
-  IKBO_CUDA_CHECK(cudaPointerGetAttributes(&attributes, pointer));
-  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged
-             ? attributes.device
-             : -1;
-}
-
 }  // namespace
 
 void gather_rows(const GatherRowsArgs& args) {
   if (args.rows == 0 || args.row_bytes == 0) return;
-  int device = device_of(args.dst);
-  if (device < 0) IKBO_CUDA_CHECK(cudaGetDevice(&device));
-  DeviceGuard guard(device);
+  DeviceGuard guard(args.device.index);
   const cudaStream_t stream = to_cuda_stream(args.stream);
   const auto alignment_bits =
       reinterpret_cast<std::uintptr_t>(args.dst) | reinterpret_cast<std::uintptr_t>(args.src) |
