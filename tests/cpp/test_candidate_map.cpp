@@ -1,0 +1,274 @@
+// CandidateMap and JaggedOffsets: the derived per-user arrays of hand-checked
+// and random maps (on the host and in the device copy), and the validation
+// errors of building them.
+#include <algorithm>
+#include <vector>
+
+#include "device_harness.hpp"
+
+namespace ikbo::test {
+namespace {
+
+using Ints = std::vector<std::int32_t>;
+
+template <typename T>
+Ints to_vector(std::span<const T> values) {
+  return Ints(values.begin(), values.end());
+}
+
+// A map and what building it must derive.
+struct KnownMap {
+  const char* name;
+  Ints cand_to_user;
+  std::int64_t num_users;
+  Ints user_counts;
+  Ints user_offsets;
+  Ints candidates_by_user;
+  bool sorted;
+  std::int64_t max_count;
+};
+
+const std::vector<KnownMap>& known_maps() {
+  static const std::vector<KnownMap> maps = {
+      {"sorted", {0, 0, 1, 1, 1, 2}, 3, {2, 3, 1}, {0, 2, 5, 6}, {0, 1, 2, 3, 4, 5}, true, 3},
+      {"unsorted", {2, 0, 1, 0, 2, 2}, 3, {2, 1, 3}, {0, 2, 3, 6}, {1, 3, 2, 0, 4, 5}, false, 3},
+      {"uneven_with_empty_users",
+       {3, 3, 0, 3, 3},
+       5,
+       {1, 0, 0, 4, 0},
+       {0, 1, 1, 1, 5, 5},
+       {2, 0, 1, 3, 4},
+       false,
+       4},
+      {"sorted_with_empty_first_and_last_users",
+       {1, 1, 2},
+       4,
+       {0, 2, 1, 0},
+       {0, 0, 2, 3, 3},
+       {0, 1, 2},
+       true,
+       2},
+      {"no_candidates", {}, 4, {0, 0, 0, 0}, {0, 0, 0, 0, 0}, {}, true, 0},
+      {"one_user", {0, 0, 0, 0, 0, 0, 0}, 1, {7}, {0, 7}, {0, 1, 2, 3, 4, 5, 6}, true, 7},
+      {"one_candidate_per_user_permuted",
+       {3, 1, 0, 2},
+       4,
+       {1, 1, 1, 1},
+       {0, 1, 2, 3, 4},
+       {2, 1, 3, 0},
+       false,
+       1},
+  };
+  return maps;
+}
+
+void expect_derived_arrays(const CandidateMap& map, const KnownMap& expected) {
+  SCOPED_TRACE(expected.name);
+  EXPECT_EQ(map.num_candidates(), static_cast<std::int64_t>(expected.cand_to_user.size()));
+  EXPECT_EQ(map.num_users(), expected.num_users);
+  EXPECT_EQ(to_vector(map.cand_to_user()), expected.cand_to_user);
+  EXPECT_EQ(to_vector(map.user_counts()), expected.user_counts);
+  EXPECT_EQ(to_vector(map.user_offsets()), expected.user_offsets);
+  EXPECT_EQ(to_vector(map.candidates_by_user()), expected.candidates_by_user);
+  EXPECT_EQ(map.is_sorted(), expected.sorted);
+  EXPECT_EQ(map.max_count(), expected.max_count);
+}
+
+// The device copy must hold the same arrays as the host side.
+void expect_device_copy_matches(const CandidateMap& map) {
+  if (!map.device().is_cuda()) {
+    EXPECT_TRUE(throws_invalid_argument([&] { map.device_view(); }, {"no CUDA copy"}));
+    return;
+  }
+  const CandidateMapDeviceView& view = map.device_view();
+  const auto b = static_cast<std::size_t>(map.num_candidates());
+  const auto u = static_cast<std::size_t>(map.num_users());
+  EXPECT_EQ(read_int32(view.cand_to_user, b, map.device()), to_vector(map.cand_to_user()));
+  EXPECT_EQ(read_int32(view.user_offsets, u + 1, map.device()), to_vector(map.user_offsets()));
+  EXPECT_EQ(read_int32(view.candidates_by_user, b, map.device()),
+            to_vector(map.candidates_by_user()));
+}
+
+class CandidateMapOnDevice : public DeviceTest {};
+
+TEST_P(CandidateMapOnDevice, DerivesGroupsOfKnownMapsFromHostArray) {
+  for (const KnownMap& known : known_maps()) {
+    auto map = CandidateMap::build(known.cand_to_user.data(),
+                                   static_cast<std::int64_t>(known.cand_to_user.size()),
+                                   known.num_users, device());
+    EXPECT_EQ(map.device(), device());
+    expect_derived_arrays(map, known);
+    expect_device_copy_matches(map);
+  }
+}
+
+TEST_P(CandidateMapOnDevice, DerivesGroupsOfKnownMapsFromTensor) {
+  for (const KnownMap& known : known_maps()) {
+    const auto cand_to_user = DeviceTensor::int32(device(), known.cand_to_user);
+    auto map = CandidateMap::build(cand_to_user.view(), known.num_users);
+    EXPECT_EQ(map.device(), device());
+    expect_derived_arrays(map, known);
+    expect_device_copy_matches(map);
+  }
+}
+
+TEST_P(CandidateMapOnDevice, IdentityGivesEveryCandidateItsOwnUser) {
+  auto map = CandidateMap::identity(6, device());
+  expect_derived_arrays(map, {"identity",
+                              {0, 1, 2, 3, 4, 5},
+                              6,
+                              {1, 1, 1, 1, 1, 1},
+                              {0, 1, 2, 3, 4, 5, 6},
+                              {0, 1, 2, 3, 4, 5},
+                              true,
+                              1});
+  expect_device_copy_matches(map);
+}
+
+// Checks every derived array of a large random map against its definition.
+TEST_P(CandidateMapOnDevice, RandomUnevenUnsortedMapSatisfiesInvariants) {
+  SeededRng rng;
+  const std::int64_t num_candidates = 1000, num_users = 37;
+  const Ints cand_to_user = rng.candidate_map(num_candidates, num_users, MapOrder::uneven_unsorted);
+  auto map = CandidateMap::build(cand_to_user.data(), num_candidates, num_users, device());
+
+  Ints counts(num_users, 0);
+  for (std::int32_t user : cand_to_user) ++counts[static_cast<std::size_t>(user)];
+  EXPECT_EQ(to_vector(map.user_counts()), counts);
+  EXPECT_EQ(map.max_count(), *std::max_element(counts.begin(), counts.end()));
+  EXPECT_EQ(map.is_sorted(), std::is_sorted(cand_to_user.begin(), cand_to_user.end()));
+  for (std::int64_t u = 1; u < num_users; u += 3) {
+    EXPECT_EQ(counts[static_cast<std::size_t>(u)], 0)
+        << "the uneven map leaves user " << u << " without candidates";
+  }
+
+  const auto offsets = map.user_offsets();
+  const auto by_user = map.candidates_by_user();
+  ASSERT_EQ(offsets.size(), static_cast<std::size_t>(num_users) + 1);
+  EXPECT_EQ(offsets.front(), 0);
+  EXPECT_EQ(offsets.back(), num_candidates);
+  for (std::int64_t u = 0; u < num_users; ++u) {
+    const auto begin = offsets[static_cast<std::size_t>(u)];
+    const auto end = offsets[static_cast<std::size_t>(u) + 1];
+    EXPECT_EQ(end - begin, counts[static_cast<std::size_t>(u)]) << "user " << u;
+    for (auto slot = begin; slot < end; ++slot) {
+      const auto candidate = by_user[static_cast<std::size_t>(slot)];
+      EXPECT_EQ(cand_to_user[static_cast<std::size_t>(candidate)], u) << "slot " << slot;
+      if (slot > begin) {
+        EXPECT_LT(by_user[static_cast<std::size_t>(slot) - 1], candidate)
+            << "the grouping must be stable (slot " << slot << ")";
+      }
+    }
+  }
+  expect_device_copy_matches(map);
+}
+
+TEST_P(CandidateMapOnDevice, JaggedOffsetsKeepsValidOffsets) {
+  const Ints offsets = {0, 3, 3, 10};
+  for (bool from_tensor : {false, true}) {
+    SCOPED_TRACE(from_tensor ? "built from a tensor" : "built from a host array");
+    const auto offsets_tensor = DeviceTensor::int32(device(), offsets);
+    auto jagged = from_tensor ? JaggedOffsets::build(offsets_tensor.view(), 10)
+                              : JaggedOffsets::build(offsets.data(), 3, 10, device());
+    EXPECT_EQ(jagged.num_users(), 3);
+    EXPECT_EQ(jagged.total_rows(), 10);
+    EXPECT_EQ(jagged.max_length(), 7);
+    EXPECT_EQ(jagged.device(), device());
+    EXPECT_EQ(to_vector(jagged.host()), offsets);
+    if (device().is_cuda()) {
+      EXPECT_EQ(read_int32(jagged.device_data(), offsets.size(), device()), offsets);
+    } else {
+      EXPECT_TRUE(throws_invalid_argument([&] { jagged.device_data(); }, {"no CUDA copy"}));
+    }
+  }
+}
+
+TEST_P(CandidateMapOnDevice, OutOfRangeEntryErrorNamesTheFirstBadPosition) {
+  Ints cand_to_user(32, 3);
+  cand_to_user[17] = 40;
+  cand_to_user[20] = -1;
+  EXPECT_TRUE(
+      throws_invalid_argument([&] { CandidateMap::build(cand_to_user.data(), 32, 15, device()); },
+                              {"cand_to_user[17] = 40 is out of range [0, 15)"}));
+  const auto as_tensor = DeviceTensor::int32(device(), cand_to_user);
+  EXPECT_TRUE(throws_invalid_argument([&] { CandidateMap::build(as_tensor.view(), 15); },
+                                      {"cand_to_user[17] = 40 is out of range [0, 15)"}));
+}
+
+TEST_P(CandidateMapOnDevice, NegativeEntryErrorNamesTheFirstBadPosition) {
+  Ints cand_to_user(32, 0);
+  cand_to_user[3] = -2;
+  cand_to_user[9] = 15;
+  EXPECT_TRUE(
+      throws_invalid_argument([&] { CandidateMap::build(cand_to_user.data(), 32, 15, device()); },
+                              {"cand_to_user[3] = -2 is out of range [0, 15)"}));
+}
+
+TEST_P(CandidateMapOnDevice, EntryEqualToNumUsersIsOutOfRange) {
+  const Ints cand_to_user = {0, 1, 2, 3};
+  EXPECT_TRUE(
+      throws_invalid_argument([&] { CandidateMap::build(cand_to_user.data(), 4, 3, device()); },
+                              {"cand_to_user[3] = 3 is out of range [0, 3)"}));
+}
+
+TEST_P(CandidateMapOnDevice, RejectsBadSizesAndPointers) {
+  const Ints cand_to_user = {0, 0};
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { CandidateMap::build(cand_to_user.data(), 2, 0, device()); }, {"num_users", "got 0"}));
+  EXPECT_TRUE(
+      throws_invalid_argument([&] { CandidateMap::build(cand_to_user.data(), -1, 1, device()); },
+                              {"num_candidates", "got -1"}));
+  EXPECT_TRUE(throws_invalid_argument([&] { CandidateMap::build(nullptr, 2, 1, device()); },
+                                      {"cand_to_user is a null pointer"}));
+}
+
+TEST_P(CandidateMapOnDevice, RejectsMapTensorOfWrongDtypeOrRank) {
+  const Ints cand_to_user = {0, 0, 0, 0};
+  const auto as_tensor = DeviceTensor::int32(device(), cand_to_user);
+  Tensor as_float = as_tensor.view();
+  as_float.dtype = DType::f32;
+  EXPECT_TRUE(throws_invalid_argument([&] { CandidateMap::build(as_float, 1); },
+                                      {"cand_to_user must have dtype int32, got float32"}));
+  Tensor as_matrix(as_tensor.view().data, DType::i32, {2, 2}, device());
+  EXPECT_TRUE(throws_invalid_argument([&] { CandidateMap::build(as_matrix, 1); },
+                                      {"cand_to_user must have 1 dimension"}));
+}
+
+TEST_P(CandidateMapOnDevice, JaggedOffsetsMustStartAtZero) {
+  const Ints offsets = {2, 3, 10};
+  EXPECT_TRUE(
+      throws_invalid_argument([&] { JaggedOffsets::build(offsets.data(), 2, 10, device()); },
+                              {"kv_offsets[0] must be 0, got 2"}));
+}
+
+TEST_P(CandidateMapOnDevice, JaggedOffsetsMustNotDecrease) {
+  const Ints offsets = {0, 5, 4, 10};
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { JaggedOffsets::build(offsets.data(), 3, 10, device()); },
+      {"kv_offsets must be non-decreasing, but kv_offsets[2] = 4 < kv_offsets[1] = 5"}));
+}
+
+TEST_P(CandidateMapOnDevice, JaggedOffsetsMustEndAtTotalRows) {
+  const Ints offsets = {0, 3, 9};
+  EXPECT_TRUE(
+      throws_invalid_argument([&] { JaggedOffsets::build(offsets.data(), 2, 10, device()); },
+                              {"kv_offsets[2] must equal the number of K/V rows 10, got 9"}));
+  const auto as_tensor = DeviceTensor::int32(device(), offsets);
+  EXPECT_TRUE(throws_invalid_argument([&] { JaggedOffsets::build(as_tensor.view(), 10); },
+                                      {"kv_offsets[2] must equal the number of K/V rows 10"}));
+}
+
+TEST_P(CandidateMapOnDevice, JaggedOffsetsRejectsTooFewEntriesAndNull) {
+  const Ints single = {0};
+  const auto as_tensor = DeviceTensor::int32(device(), single);
+  EXPECT_TRUE(throws_invalid_argument([&] { JaggedOffsets::build(as_tensor.view(), 0); },
+                                      {"kv_offsets must have num_users + 1 >= 2 entries, got 1"}));
+  EXPECT_TRUE(throws_invalid_argument([&] { JaggedOffsets::build(nullptr, 2, 0, device()); },
+                                      {"kv_offsets is a null pointer"}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, CandidateMapOnDevice, testing::ValuesIn(test_devices()),
+                         device_param_name);
+
+}  // namespace
+}  // namespace ikbo::test
