@@ -12,6 +12,7 @@
 #include "ikbo/attention.hpp"
 #include "ikbo/candidate_map.hpp"
 #include "ikbo/lce.hpp"
+#include "ikbo/linear.hpp"
 #include "ikbo/tensor.hpp"
 
 namespace ikbo::detail {
@@ -31,6 +32,31 @@ struct LceArgs {
   const void* e_u = nullptr;  // [U, Ku, N], unused when plan->ku == 0
   void* out = nullptr;        // [B, M, N]
   const CandidateMap::State* map = nullptr;  // unused when plan->ku == 0
+  Stream stream = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+// The caller's linear weights before preparation: row-major blocks whose rows
+// are `ld_*` elements apart (wider than K when both blocks are column ranges
+// of one concatenated [N_out, Ku + Kc] weight).
+struct LinearWeights {
+  DType dtype = DType::f16;
+  std::int64_t out_features = 0, ku = 0, kc = 0;
+  const void* w_u = nullptr;  // [N_out, Ku]
+  std::int64_t ld_w_u = 0;
+  const void* w_c = nullptr;  // [N_out, Kc]
+  std::int64_t ld_w_c = 0;
+  const void* bias = nullptr;  // [N_out], null: no bias
+};
+
+struct LinearArgs {
+  const LinearPlan::State* plan = nullptr;
+  std::int64_t num_candidates = 0, num_users = 0;
+  const void* x_c = nullptr;  // [B, Kc], plan->dtype
+  const void* x_u = nullptr;  // [U, Ku]
+  void* out = nullptr;        // [B, N_out]
+  const CandidateMap::State* map = nullptr;
   Stream stream = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
@@ -70,6 +96,9 @@ namespace cpu {
 LcePlan::State prepare_lce_plan(DType dtype, std::int64_t m, std::int64_t ku, std::int64_t kc,
                                 const void* w_c, const void* w_u);
 void lce(const LceArgs& args);
+// Converts the weights and bias to fp32 with padded K stride.
+LinearPlan::State prepare_linear_plan(const LinearWeights& weights);
+void linear(const LinearArgs& args);
 void attention(const AttentionArgs& args);
 void gather_rows(const GatherRowsArgs& args);
 }  // namespace cpu
@@ -81,6 +110,11 @@ LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std:
 std::size_t lce_workspace_bytes(const LcePlan::State& plan, std::int64_t n,
                                 std::int64_t num_candidates, std::int64_t num_users);
 void lce(const LceArgs& args);
+// Copies the weights and bias to `device` with padded K stride (zero padding).
+LinearPlan::State prepare_linear_plan(const LinearWeights& weights, Device device, Stream stream);
+std::size_t linear_workspace_bytes(const LinearPlan::State& plan, std::int64_t num_candidates,
+                                   std::int64_t num_users);
+void linear(const LinearArgs& args);
 void attention(const AttentionArgs& args);
 void gather_rows(const GatherRowsArgs& args);
 }  // namespace cuda

@@ -5,6 +5,7 @@
 #include "ikbo/candidate_map.hpp"
 #include "ikbo/error.hpp"
 #include "ikbo/lce.hpp"
+#include "ikbo/linear.hpp"
 #include "ikbo/tensor.hpp"
 
 namespace ikbo {

@@ -23,15 +23,6 @@
 
 namespace ikbo {
 
-// Caller-owned scratch memory on the op's device, 256-byte aligned (as
-// cudaMalloc and framework allocators return it). Ops never allocate device
-// memory or synchronize, so a call can be captured in a CUDA graph. One
-// workspace must not be used by two ops running concurrently.
-struct Workspace {
-  void* data = nullptr;
-  std::size_t bytes = 0;
-};
-
 // Everything that depends only on the weights, prepared once and reused by
 // every request: W's K stride padded to 16 bytes (CUDA), or W converted to
 // fp32 (CPU). Holds its own copy; the caller's weight buffers may be freed.

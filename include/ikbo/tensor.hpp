@@ -35,6 +35,15 @@ std::size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 std::string device_name(Device device);
 
+// Caller-owned scratch memory on the op's device, 256-byte aligned (as
+// cudaMalloc and framework allocators return it). Ops never allocate device
+// memory or synchronize, so a call can be captured in a CUDA graph. One
+// workspace must not be used by two ops running concurrently.
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
 inline constexpr int kMaxRank = 4;
 
 struct Tensor {

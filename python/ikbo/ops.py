@@ -1,7 +1,7 @@
 """Framework-friendly entry points to the IKBO ops.
 
 These wrap the bindings in ``ikbo._C``: they accept either prebuilt state
-(:class:`~ikbo.LcePlan`, :class:`~ikbo.CandidateMap`,
+(:class:`~ikbo.LcePlan`, :class:`~ikbo.LinearPlan`, :class:`~ikbo.CandidateMap`,
 :class:`~ikbo.JaggedOffsets`) or raw tensors to build it from, allocate a
 missing output in the caller's framework (numpy, torch, cupy, or any array-API
 library), allocate the CUDA workspace the same way, so the C++ op itself
@@ -181,6 +181,89 @@ def lce(
         out = _allocate(e_c, (e_c.shape[0], plan.m, e_c.shape[2]))
     workspace = _allocate(e_c, (workspace_bytes,), raw_bytes=True) if workspace_bytes else None
     _C.lce(plan, e_c, e_u, candidate_map, _writable_output(out), stream, workspace)
+    return out
+
+
+def linear(
+    weight_or_plan: _C.LinearPlan | Array,
+    x_c: Array,
+    x_u: Array,
+    cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
+    bias: Array | None = None,
+    num_user_features: int | None = None,
+    out: Array | None = None,
+) -> Array:
+    """A linear layer over ``[user features | candidate features]`` with
+    in-kernel broadcast.
+
+    ``out[b] = x_c[b] @ w_c^T + x_u[cand_to_user[b]] @ w_u^T + bias``, i.e.
+    ``torch.nn.functional.linear(cat([x_u[cand_to_user], x_c], -1), weight, bias)``
+    with ``weight = [w_u | w_c]``, without replicating the user rows.
+
+    Args:
+        weight_or_plan: a :class:`~ikbo.LinearPlan` (prepared once per weights
+            and reused: the fast path), or torch's ``weight``
+            ``[N_out, Ku + Kc]``, from which a plan is prepared for this call
+            only.
+        x_c: candidate features ``[B, Kc]``.
+        x_u: user features ``[U, Ku]``, one row per user (not per candidate).
+        cand_to_user_or_map: a :class:`~ikbo.CandidateMap` (built once per
+            request and shared by its ops), or the int32 mapping ``[B]``
+            (U is taken from ``x_u.shape[0]``).
+        bias: optional ``[N_out]`` with a raw ``weight``; ``None`` with a plan
+            (the plan holds its bias).
+        num_user_features: Ku, where ``weight``'s columns split into the user
+            and the candidate blocks; defaults to ``x_u.shape[1]``. With a
+            plan it may be given as a check.
+        out: optional preallocated ``[B, N_out]``; otherwise allocated in
+            ``x_c``'s framework on its device.
+
+    All tensors share one dtype (float16, bfloat16 or float32) and device.
+    The user part (bias included) is computed once per user in fp32 and added
+    to the candidate part in fp32, rounded once. On CUDA the op is
+    asynchronous on the current stream.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: an invalid argument (message names it); ``out`` untouched.
+        TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
+    """
+    x_c, x_u = _exportable(x_c), _exportable(x_u)
+    stream = _current_stream(x_c)
+    if isinstance(weight_or_plan, _C.LinearPlan):
+        plan = weight_or_plan
+        if bias is not None:
+            raise ValueError(
+                "bias must be None when weight_or_plan is a LinearPlan (the plan holds the bias)"
+            )
+        if num_user_features is not None and num_user_features != plan.ku:
+            raise ValueError(
+                f"num_user_features = {num_user_features} disagrees with the LinearPlan's "
+                f"ku = {plan.ku}"
+            )
+    else:
+        if num_user_features is None:
+            if len(x_u.shape) != 2:
+                raise ValueError(
+                    f"x_u must have 2 dimensions [U, Ku], got shape {tuple(x_u.shape)}"
+                )
+            num_user_features = x_u.shape[1]
+        plan = _C.LinearPlan.from_concatenated(
+            _exportable(weight_or_plan),
+            num_user_features,
+            None if bias is None else _exportable(bias),
+            stream,
+        )
+    candidate_map = _candidate_map(cand_to_user_or_map, None, x_u.shape[0], stream)
+    # Validates x_c, x_u and the map against the plan, so nothing is allocated
+    # from the shape of an invalid input.
+    workspace_bytes = _C.linear_workspace_bytes(plan, x_c, x_u, candidate_map)
+    if out is None:
+        out = _allocate(x_c, (x_c.shape[0], plan.out_features))
+    workspace = _allocate(x_c, (workspace_bytes,), raw_bytes=True) if workspace_bytes else None
+    _C.linear(plan, x_c, x_u, candidate_map, _writable_output(out), stream, workspace)
     return out
 
 

@@ -315,6 +315,96 @@ void bind_lce(nb::module_& m) {
       "untouched, on any invalid argument.");
 }
 
+std::optional<ikbo::Tensor> optional_tensor(const std::optional<InputArray>& array,
+                                            std::string_view name) {
+  if (!array) return std::nullopt;
+  return to_tensor(*array, name);
+}
+
+void bind_linear(nb::module_& m) {
+  nb::class_<ikbo::LinearPlan>(
+      m, "LinearPlan",
+      "Linear-layer weights prepared once and reused by every request: w_u [N_out, Ku],\n"
+      "w_c [N_out, Kc] (the user and candidate column blocks of torch's weight) and an\n"
+      "optional bias [N_out], of one dtype on one device. Holds its own copy.")
+      .def(
+          "__init__",
+          [](ikbo::LinearPlan* self, InputArray w_u, InputArray w_c,
+             std::optional<InputArray> bias, std::uintptr_t stream) {
+            const ikbo::Tensor w_u_view = to_tensor(w_u, "w_u");
+            const ikbo::Tensor w_c_view = to_tensor(w_c, "w_c");
+            const std::optional<ikbo::Tensor> bias_view = optional_tensor(bias, "bias");
+            nb::gil_scoped_release release;
+            new (self) ikbo::LinearPlan(ikbo::LinearPlan::create(
+                w_u_view, w_c_view, bias_view ? &*bias_view : nullptr, to_stream(stream)));
+          },
+          "w_u"_a, "w_c"_a, "bias"_a.none() = nb::none(), "stream"_a = 0,
+          "Prepares the weights; on CUDA the copy is ordered on `stream` and synchronized.")
+      .def_static(
+          "from_concatenated",
+          [](InputArray weight, std::int64_t num_user_features, std::optional<InputArray> bias,
+             std::uintptr_t stream) {
+            const ikbo::Tensor weight_view = to_tensor(weight, "weight");
+            const std::optional<ikbo::Tensor> bias_view = optional_tensor(bias, "bias");
+            nb::gil_scoped_release release;
+            return ikbo::LinearPlan::from_concatenated(weight_view, num_user_features,
+                                                       bias_view ? &*bias_view : nullptr,
+                                                       to_stream(stream));
+          },
+          "weight"_a, "num_user_features"_a, "bias"_a.none() = nb::none(), "stream"_a = 0,
+          "Prepares torch's weight [N_out, Ku + Kc] = [w_u | w_c], split after its first\n"
+          "num_user_features (Ku) columns, and the optional bias [N_out].")
+      .def_prop_ro(
+          "dtype",
+          [](const ikbo::LinearPlan& plan) { return std::string(ikbo::dtype_name(plan.dtype())); },
+          "'float16', 'bfloat16' or 'float32'")
+      .def_prop_ro(
+          "device", [](const ikbo::LinearPlan& plan) { return ikbo::device_name(plan.device()); },
+          "'cpu' or 'cuda:<ordinal>'")
+      .def_prop_ro("out_features", &ikbo::LinearPlan::out_features, "N_out")
+      .def_prop_ro("ku", &ikbo::LinearPlan::ku, "Ku, the number of user features")
+      .def_prop_ro("kc", &ikbo::LinearPlan::kc, "Kc, the number of candidate features")
+      .def_prop_ro("has_bias", &ikbo::LinearPlan::has_bias, "whether the plan adds a bias")
+      .def("__repr__", [](const ikbo::LinearPlan& plan) {
+        return "LinearPlan(out_features=" + std::to_string(plan.out_features()) +
+               ", ku=" + std::to_string(plan.ku()) + ", kc=" + std::to_string(plan.kc()) +
+               ", has_bias=" + python_bool(plan.has_bias()) + ", dtype='" +
+               ikbo::dtype_name(plan.dtype()) + "', device='" + ikbo::device_name(plan.device()) +
+               "')";
+      });
+
+  m.def(
+      "linear_workspace_bytes",
+      [](const ikbo::LinearPlan& plan, InputArray x_c, InputArray x_u,
+         const ikbo::CandidateMap& map) {
+        return ikbo::linear_workspace_bytes(plan, to_tensor(x_c, "x_c"), to_tensor(x_u, "x_u"),
+                                            map);
+      },
+      "plan"_a, "x_c"_a, "x_u"_a, "map"_a,
+      "Bytes of workspace linear() needs for these inputs (0 on the CPU). Validates the\n"
+      "inputs against the plan and the map exactly as linear() does.");
+
+  m.def(
+      "linear",
+      [](const ikbo::LinearPlan& plan, InputArray x_c, InputArray x_u,
+         const ikbo::CandidateMap& map, OutputArray out, std::uintptr_t stream,
+         std::optional<OutputArray> workspace) {
+        const ikbo::Tensor x_c_view = to_tensor(x_c, "x_c");
+        const ikbo::Tensor x_u_view = to_tensor(x_u, "x_u");
+        const ikbo::Tensor out_view = to_tensor(out, "out");
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device());
+        nb::gil_scoped_release release;
+        ikbo::linear(plan, x_c_view, x_u_view, map, out_view, to_stream(stream), scratch);
+      },
+      "plan"_a, "x_c"_a, "x_u"_a, "map"_a, "out"_a, "stream"_a = 0,
+      "workspace"_a.none() = nb::none(),
+      "out[b] = x_c[b] @ w_c^T + x_u[map.cand_to_user[b]] @ w_u^T + bias, written into\n"
+      "out [B, N_out]. x_c [B, Kc], x_u [U, Ku], dense row-major, the plan's dtype and\n"
+      "device. On CUDA: asynchronous on `stream`; `workspace` is a writable buffer on the\n"
+      "plan's device of at least linear_workspace_bytes() bytes. Raises ValueError, with\n"
+      "out untouched, on any invalid argument.");
+}
+
 void bind_attention(nb::module_& m) {
   m.def(
       "attention",
@@ -351,5 +441,6 @@ NB_MODULE(_C, m) {
   bind_candidate_map(m);
   bind_jagged_offsets(m);
   bind_lce(m);
+  bind_linear(m);
   bind_attention(m);
 }

@@ -12,8 +12,7 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Candidat
   using detail::check_dim;
   using detail::check_tensor;
   using detail::require;
-  require(q.dtype == DType::f16 || q.dtype == DType::bf16 || q.dtype == DType::f32,
-          "q must have dtype float16, bfloat16 or float32, got ", dtype_name(q.dtype));
+  detail::check_float_dtype(q.dtype, "q");
   const DType dtype = q.dtype;
   const Device device = q.device;
   check_tensor(q, "q", dtype, device, 4);

@@ -5,16 +5,10 @@
 namespace ikbo {
 namespace {
 
-constexpr std::uintptr_t kWorkspaceAlignment = 256;
-
 using detail::check_dim;
+using detail::check_float_dtype;
 using detail::check_tensor;
 using detail::require;
-
-void check_float_dtype(DType dtype, std::string_view name) {
-  require(dtype == DType::f16 || dtype == DType::bf16 || dtype == DType::f32, name,
-          " must have dtype float16, bfloat16 or float32, got ", dtype_name(dtype));
-}
 
 // Checks e_c, e_u and the map against the plan; returns the validated args
 // (without output and workspace).
@@ -91,12 +85,7 @@ void lce(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const Candid
   if (plan.device().is_cuda()) {
     std::size_t needed = detail::cuda::lce_workspace_bytes(plan.state(), args.n,
                                                            args.num_candidates, args.num_users);
-    require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr),
-            "workspace must hold ", needed, " bytes (see lce_workspace_bytes), got ",
-            workspace.bytes, workspace.data ? " bytes" : " bytes at a null pointer");
-    require(reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment == 0,
-            "workspace must be ", kWorkspaceAlignment, "-byte aligned, got address ",
-            workspace.data);
+    detail::check_workspace(workspace, needed, "lce_workspace_bytes");
     detail::cuda::lce(args);
   } else {
     detail::cpu::lce(args);

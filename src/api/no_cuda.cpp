@@ -32,6 +32,11 @@ std::size_t lce_workspace_bytes(const LcePlan::State&, std::int64_t, std::int64_
   no_cuda("the plan");
 }
 void lce(const LceArgs&) { no_cuda("e_c"); }
+LinearPlan::State prepare_linear_plan(const LinearWeights&, Device, Stream) { no_cuda("w_u"); }
+std::size_t linear_workspace_bytes(const LinearPlan::State&, std::int64_t, std::int64_t) {
+  no_cuda("the plan");
+}
+void linear(const LinearArgs&) { no_cuda("x_c"); }
 void attention(const AttentionArgs&) { no_cuda("q"); }
 void gather_rows(const GatherRowsArgs&) { no_cuda("the source"); }
 }  // namespace cuda

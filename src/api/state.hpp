@@ -1,4 +1,4 @@
-// Internal: the shared state behind CandidateMap, JaggedOffsets and LcePlan.
+// Internal: the shared state behind CandidateMap, JaggedOffsets, LcePlan and LinearPlan.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,7 @@
 
 #include "ikbo/candidate_map.hpp"
 #include "ikbo/lce.hpp"
+#include "ikbo/linear.hpp"
 
 namespace ikbo {
 
@@ -47,6 +48,23 @@ struct LcePlan::State {
   std::int64_t ld_c = 0, ld_u = 0;
   const void* w_c = nullptr;
   const void* w_u = nullptr;
+  std::shared_ptr<void> storage;
+};
+
+// Prepared linear weights in torch's [N_out, K] layout, split into the user
+// and candidate column blocks. `w_u`/`w_c` point into `storage`, in
+// `storage_dtype` (f32 on the CPU backend, the plan's dtype on CUDA), rows
+// `ld_u`/`ld_c` elements apart (K rounded up to a multiple of 8, zero
+// padded); `bias` [N_out] likewise, null without a bias.
+struct LinearPlan::State {
+  DType dtype = DType::f16;
+  DType storage_dtype = DType::f16;
+  Device device{};
+  std::int64_t out_features = 0, ku = 0, kc = 0;
+  std::int64_t ld_u = 0, ld_c = 0;
+  const void* w_u = nullptr;
+  const void* w_c = nullptr;
+  const void* bias = nullptr;
   std::shared_ptr<void> storage;
 };
 

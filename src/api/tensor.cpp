@@ -105,6 +105,21 @@ void check_shape(const Tensor& tensor, std::string_view name,
           tensor.shape_string());
 }
 
+void check_float_dtype(DType dtype, std::string_view name) {
+  require(dtype == DType::f16 || dtype == DType::bf16 || dtype == DType::f32, name,
+          " must have dtype float16, bfloat16 or float32, got ", dtype_name(dtype));
+}
+
+void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query) {
+  constexpr std::uintptr_t kWorkspaceAlignment = 256;
+  require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr),
+          "workspace must hold ", needed, " bytes (see ", query, "), got ", workspace.bytes,
+          workspace.data ? " bytes" : " bytes at a null pointer");
+  require(reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment == 0,
+          "workspace must be ", kWorkspaceAlignment, "-byte aligned, got address ",
+          workspace.data);
+}
+
 void check_no_overlap(const Tensor& out, std::string_view out_name, const Tensor& in,
                       std::string_view in_name) {
   if (out.numel() == 0 || in.numel() == 0 || out.device != in.device) return;

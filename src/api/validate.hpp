@@ -43,6 +43,12 @@ void check_dim(const Tensor& tensor, std::string_view name, int dim, std::int64_
 // Checks a whole shape at once (message shows both shapes).
 void check_shape(const Tensor& tensor, std::string_view name,
                  std::initializer_list<std::int64_t> expected, std::string_view meaning);
+// Checks that `dtype` is one of the floating-point dtypes ops compute in.
+void check_float_dtype(DType dtype, std::string_view name);
+// Checks that a caller's workspace holds `needed` bytes at an address aligned
+// for every backend's use (cuBLAS wants 256 bytes); `query` names the
+// function that tells the size.
+void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query);
 // Checks that two buffers do not overlap (outputs must not alias inputs).
 void check_no_overlap(const Tensor& out, std::string_view out_name, const Tensor& in,
                       std::string_view in_name);

@@ -1,0 +1,317 @@
+"""torch.ops.ikbo.{lce, attention, linear}: results against float64 references,
+the operator contract (torch.library.opcheck), the library's errors, the
+per-request candidate map cache, torch.compile / torch.export tracing, and on
+a GPU, CUDA graph capture."""
+
+import gc
+import re
+
+import pytest
+
+import ikbo
+from reference import assert_close, attention_reference, jagged_offsets, lce_reference
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not importable; the torch.library op tests need it"
+)
+torch_ops = pytest.importorskip("ikbo.torch_ops")
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CUDA = torch.cuda.is_available() and ikbo.built_with_cuda() and ikbo.cuda_device_count() > 0
+needs_cuda = pytest.mark.skipif(
+    not CUDA,
+    reason=f"no CUDA device (torch.cuda.is_available() = {torch.cuda.is_available()}, "
+    f"ikbo.built_with_cuda() = {ikbo.built_with_cuda()})",
+)
+
+
+def randn(generator, shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device, dtype)
+
+
+def linear_reference(w_c, w_u, x_c, x_u, cand_to_user, bias=None):
+    mapping = cand_to_user.long().cpu()
+    out = (
+        x_c.double().cpu() @ w_c.double().cpu().T
+        + x_u.double().cpu()[mapping] @ w_u.double().cpu().T
+    )
+    return (out if bias is None else out + bias.double().cpu()).numpy()
+
+
+def lce_inputs(generator, dtype=torch.float32, device="cpu"):
+    m, ku, kc, n = 11, 6, 9, 5
+    return (
+        randn(generator, (m, kc), dtype, device) / kc**0.5,
+        randn(generator, (m, ku), dtype, device) / ku**0.5,
+        randn(generator, (7, kc, n), dtype, device),
+        randn(generator, (3, ku, n), dtype, device),
+        torch.tensor([2, 0, 0, 2, 1, 2, 0], dtype=torch.int32, device=device),
+    )
+
+
+@pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
+def test_lce(dtype_name):
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(
+        torch.Generator().manual_seed(1), TORCH_DTYPES[dtype_name]
+    )
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    assert out.dtype == e_c.dtype and out.shape == (7, 11, 5)
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), dtype_name)
+
+
+def test_lce_takes_int64_mappings_and_strided_inputs():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(2))
+    e_c_strided = e_c.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c_strided, e_u, cand_to_user.long())
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), "float32")
+
+
+@pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
+def test_attention_dense_and_jagged(dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(3)
+    q = randn(generator, (5, 3, 2, 64), dtype)
+    cand_to_user = torch.tensor([1, 0, 2, 2, 1], dtype=torch.int32)
+    k, v = randn(generator, (3, 10, 2, 64), dtype), randn(generator, (3, 10, 2, 64), dtype)
+    out = torch.ops.ikbo.attention(q, k, v, cand_to_user)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, attention_reference(q, k, v, cand_to_user), dtype_name)
+
+    offsets = jagged_offsets((4, 0, 9))  # user 1 has no history: zeros
+    k_jagged, v_jagged = randn(generator, (13, 2, 64), dtype), randn(generator, (13, 2, 64), dtype)
+    out = torch.ops.ikbo.attention(
+        q, k_jagged, v_jagged, cand_to_user, torch.from_numpy(offsets), scale=0.3
+    )
+    expected = attention_reference(q, k_jagged, v_jagged, cand_to_user, offsets, scale=0.3)
+    assert_close(out, expected, dtype_name)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_on_column_blocks_of_one_weight(with_bias):
+    generator = torch.Generator().manual_seed(4)
+    weight = randn(generator, (6, 4 + 7))
+    bias = randn(generator, (6,)) if with_bias else None
+    x_c, x_u = randn(generator, (5, 7)), randn(generator, (2, 4))
+    cand_to_user = torch.tensor([1, 1, 0, 1, 0])
+    out = torch.ops.ikbo.linear(weight[:, 4:], weight[:, :4], x_c, x_u, cand_to_user, bias)
+    expected = torch.nn.functional.linear(torch.cat([x_u[cand_to_user], x_c], -1), weight, bias)
+    assert_close(out, expected.double().numpy(), "float32")
+    assert_close(
+        out, linear_reference(weight[:, 4:], weight[:, :4], x_c, x_u, cand_to_user, bias), "float32"
+    )
+
+
+def test_operator_contract():
+    generator = torch.Generator().manual_seed(5)
+    cand_to_user = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.ikbo.lce.default,
+        (
+            randn(generator, (5, 3)),
+            randn(generator, (5, 2)),
+            randn(generator, (4, 3, 6)),
+            randn(generator, (2, 2, 6)),
+            cand_to_user,
+        ),
+    )
+    torch.library.opcheck(
+        torch.ops.ikbo.attention.default,
+        (
+            randn(generator, (4, 3, 2, 64)),
+            randn(generator, (7, 2, 64)),
+            randn(generator, (7, 2, 64)),
+            cand_to_user,
+            torch.tensor([0, 3, 7], dtype=torch.int32),
+            0.5,
+        ),
+    )
+    torch.library.opcheck(
+        torch.ops.ikbo.linear.default,
+        (
+            randn(generator, (5, 3)),
+            randn(generator, (5, 2)),
+            randn(generator, (4, 3)),
+            randn(generator, (2, 2)),
+            cand_to_user,
+            randn(generator, (5,)),
+        ),
+    )
+
+
+def test_library_errors_reach_the_caller():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(6))
+    with pytest.raises(ValueError, match="e_u"):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u[:, :5], cand_to_user)
+    with pytest.raises(ValueError, match="cand_to_user"):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, torch.tensor([0, 1, 2, 3, 0, 0, 0]))
+    # 2**32 must not wrap to the valid index 0 when narrowed to int32.
+    with pytest.raises(ValueError, match="cand_to_user"):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, torch.tensor([2**32, 0, 0, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match=re.escape("float64")):
+        torch.ops.ikbo.lce(w_c.double(), w_u, e_c, e_u, cand_to_user)
+
+
+def test_backward_is_refused():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(7))
+    out = torch.ops.ikbo.lce(w_c.requires_grad_(), w_u, e_c, e_u, cand_to_user)
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.sum().backward()
+
+
+def counting(kind):
+    return torch_ops.build_counts().get(kind, 0)
+
+
+def test_map_is_built_once_per_request_and_weights_once():
+    generator = torch.Generator().manual_seed(8)
+    w_c, w_u, e_c, e_u, _ = lce_inputs(generator)
+    q, k = randn(generator, (7, 2, 1, 64)), randn(generator, (3, 4, 1, 64))
+    maps, plans = counting("CandidateMap"), counting("LcePlan")
+    for request in range(2):
+        cand_to_user = torch.tensor([request, 0, 1, 2, 2, 1, 0])  # a new tensor per request
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user[:])  # a view of it: same map
+        torch.ops.ikbo.attention(q, k, k, cand_to_user)
+        assert counting("CandidateMap") == maps + request + 1
+    assert counting("LcePlan") == plans + 1
+
+
+def test_in_place_updates_invalidate_cached_state():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(9))
+    torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    cand_to_user[0] = 1  # the next request written into the same buffer
+    with torch.no_grad():
+        w_u.mul_(-2)  # new weights loaded in place
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), "float32")
+
+
+def test_inference_tensors_are_compared_by_contents():
+    with torch.inference_mode():
+        w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(10))
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+        maps = counting("CandidateMap")
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+        assert counting("CandidateMap") == maps
+        cand_to_user[0] = 1
+        out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    assert counting("CandidateMap") == maps + 1
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), "float32")
+
+
+def test_cache_entries_go_away_with_their_tensors():
+    cand_to_user = torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    gc.collect()  # drop what earlier tests left behind in reference cycles
+    entries = len(torch_ops._CACHE._entries)
+    torch_ops.candidate_map(cand_to_user, 3)
+    assert len(torch_ops._CACHE._entries) == entries + 1
+    del cand_to_user
+    gc.collect()
+    assert len(torch_ops._CACHE._entries) == entries
+
+
+def test_candidate_map_is_the_shared_one():
+    cand_to_user = torch.tensor([1, 1, 0], dtype=torch.int32)
+    mapping = torch_ops.candidate_map(cand_to_user, 2)
+    assert mapping is torch_ops.candidate_map(cand_to_user, 2)
+    assert mapping.num_users == 2 and mapping.user_counts.tolist() == [1, 2]
+    assert torch_ops.candidate_map(cand_to_user, 3).num_users == 3
+
+
+def ranking_step(w_c, w_u, e_c, e_u, q, k, v, x_c, x_u, weight, cand_to_user):
+    compressed = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    attended = torch.ops.ikbo.attention(q, k, v, cand_to_user)
+    projected = torch.ops.ikbo.linear(weight[:, 3:], weight[:, :3], x_c, x_u, cand_to_user)
+    return compressed.sum(-1), attended.flatten(1), projected
+
+
+def ranking_inputs(generator):
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(generator)
+    return (
+        w_c,
+        w_u,
+        e_c,
+        e_u,
+        randn(generator, (7, 2, 2, 64)),
+        randn(generator, (3, 5, 2, 64)),
+        randn(generator, (3, 5, 2, 64)),
+        randn(generator, (7, 4)),
+        randn(generator, (3, 3)),
+        randn(generator, (6, 7)),
+        cand_to_user,
+    )
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(compiler):
+    inputs = ranking_inputs(torch.Generator().manual_seed(12))
+    compiled = torch.compile(ranking_step, fullgraph=True, backend=compiler)
+    for got, want in zip(compiled(*inputs), ranking_step(*inputs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_torch_export_keeps_the_ops():
+    class Step(torch.nn.Module):
+        def forward(self, *inputs):
+            return ranking_step(*inputs)
+
+    inputs = ranking_inputs(torch.Generator().manual_seed(13))
+    exported = torch.export.export(Step(), inputs)
+    targets = {str(node.target) for node in exported.graph.nodes}
+    assert {"ikbo.lce.default", "ikbo.attention.default", "ikbo.linear.default"} <= targets
+    for got, want in zip(exported.module()(*inputs), ranking_step(*inputs)):
+        torch.testing.assert_close(got, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
+def test_cuda_ops_match_references(dtype_name):
+    dtype = TORCH_DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(14)
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(generator, dtype, "cuda")
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user.long())
+    assert out.is_cuda
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user.cpu()), dtype_name)
+    q, k = (
+        randn(generator, (7, 3, 2, 128), dtype, "cuda"),
+        randn(generator, (3, 9, 2, 128), dtype, "cuda"),
+    )
+    out = torch.ops.ikbo.attention(q, k, k, cand_to_user)
+    assert_close(out, attention_reference(q, k, k, cand_to_user.cpu()), dtype_name)
+    x_c, x_u = randn(generator, (7, 5), dtype, "cuda"), randn(generator, (3, 4), dtype, "cuda")
+    weight, bias = randn(generator, (6, 9), dtype, "cuda"), randn(generator, (6,), dtype, "cuda")
+    out = torch.ops.ikbo.linear(weight[:, 4:], weight[:, :4], x_c, x_u, cand_to_user, bias)
+    assert_close(
+        out,
+        linear_reference(weight[:, 4:], weight[:, :4], x_c, x_u, cand_to_user, bias),
+        dtype_name,
+    )
+
+
+@needs_cuda
+def test_cuda_graph_capture_after_warm_up():
+    inputs = [value.cuda() for value in ranking_inputs(torch.Generator().manual_seed(15))]
+    warm_up = torch.cuda.Stream()  # builds the map and the plans outside the capture
+    warm_up.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm_up):
+        ranking_step(*inputs)
+    torch.cuda.current_stream().wait_stream(warm_up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ranking_step(*inputs)
+    for position in (2, 4, 7):  # new e_c, q, x_c for the same mapping
+        inputs[position].copy_(torch.randn_like(inputs[position]))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, ranking_step(*inputs)):
+        torch.testing.assert_close(got, want)
+
+
+@needs_cuda
+def test_cuda_graph_capture_without_a_prepared_map_is_refused():
+    w_c, w_u, e_c, e_u, _ = lce_inputs(torch.Generator().manual_seed(16), device="cuda")
+    torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, torch.zeros(7, dtype=torch.int32, device="cuda"))
+    fresh_mapping = torch.ones(7, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="before capturing"), torch.cuda.graph(graph):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, fresh_mapping)
