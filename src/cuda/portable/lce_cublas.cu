@@ -17,6 +17,12 @@
 // With plan.ku == 0 (the broadcast baseline's concatenated GEMM) cuBLAS
 // writes `out` directly in its dtype, over the full K.
 //
+// Dispatch: on a Hopper GPU (compute capability 9.0, sm_90a code in the
+// binary) lce goes to the TMA + wgmma path of sm90/lce_sm90.cu whenever
+// lce_sm90_eligible() accepts the call (f16/bf16, a user term, N a multiple
+// of 8, 16-byte aligned tensors); everything else, and every call with
+// IKBO_DISABLE_SM90=1, runs here. lce_workspace_bytes covers both paths.
+//
 // K split. cuBLAS's fast kernels need the reduction length itself to be a
 // multiple of 8, not just aligned weight rows: on an H200 the candidate GEMM
 // of the reference shape takes 0.98 ms at K = 866 and 0.30 ms at K = 872. The
@@ -42,6 +48,7 @@
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
 #include "cuda/runtime.cuh"
+#include "cuda/sm90/lce_sm90.hpp"
 
 namespace ikbo::detail::cuda {
 namespace {
@@ -287,12 +294,18 @@ LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std:
 
 std::size_t lce_workspace_bytes(const LcePlan::State& plan, std::int64_t n,
                                 std::int64_t num_candidates, std::int64_t num_users) {
-  return workspace_layout(plan, n, num_candidates, num_users).total_bytes;
+  const std::size_t cublas_bytes = workspace_layout(plan, n, num_candidates, num_users).total_bytes;
+  if (!lce_sm90_supported(plan, n, num_candidates, num_users)) return cublas_bytes;
+  return std::max(cublas_bytes, lce_sm90_workspace_bytes(plan, n, num_users));
 }
 
 void lce(const LceArgs& args) {
   const LcePlan::State& plan = *args.plan;
   if (args.num_candidates == 0) return;
+  if (lce_sm90_eligible(args)) {
+    lce_sm90(args);
+    return;
+  }
   const WorkspaceLayout layout =
       workspace_layout(plan, args.n, args.num_candidates, args.num_users);
   DeviceGuard guard(plan.device.index);

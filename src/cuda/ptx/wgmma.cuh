@@ -1,0 +1,127 @@
+// src/cuda/ptx/wgmma.cuh — warpgroup matrix multiply-accumulate (wgmma,
+// sm_90a only): shared-memory operand descriptors, the m64nNk16 f16/bf16
+// instruction with fp32 accumulators, and its fence / commit / wait.
+//
+// One wgmma is issued by the 128 threads of a warpgroup and runs
+// asynchronously: D (registers) += A (shared memory) @ B (shared memory).
+// Issue order: wgmma_fence() once before the first wgmma that touches
+// accumulators written by ordinary instructions, the wgmmas, then
+// wgmma_commit_group(); wgmma_wait<N>() returns when at most N committed
+// groups are still running. Until then the accumulators and the shared
+// operands belong to the tensor cores: fence_operands() keeps the compiler
+// from moving accumulator accesses across these points.
+//
+// Accumulator fragment of m64nNk16, fp32 (w = warp within the warpgroup,
+// g = lane / 4, t = lane % 4); register 4j + r, j < N / 8, holds
+//   r = 0: (row 16w + g,     col 8j + 2t)    r = 1: (row 16w + g,     col 8j + 2t + 1)
+//   r = 2: (row 16w + g + 8, col 8j + 2t)    r = 3: (row 16w + g + 8, col 8j + 2t + 1)
+//
+// Operand descriptor (64 bits): start address >> 4 in bits 0-13, leading
+// byte offset >> 4 in bits 16-29, stride byte offset >> 4 in bits 32-45,
+// base offset 0 in bits 49-51 (every swizzle atom starts 1024-byte
+// aligned), layout in bits 62-63 (1 = 128-byte swizzle). With the 128-byte
+// swizzle a 16-bit operand is made of atoms of 8 rows x 128 bytes in which
+// 16-byte chunk c of row r sits at chunk c ^ (r % 8): the layout TMA writes
+// with CU_TENSOR_MAP_SWIZZLE_128B, so tiles go from TMA to wgmma untouched.
+//   K-major operand (rows along M or N, 64 K-elements per row): the stride
+//     offset is the distance between 8-row groups; the leading offset is
+//     unused; the k16 slices of a row start 32 bytes apart.
+//   MN-major operand (rows along K, 64 M- or N-elements per row; wgmma's
+//     "transposed" mode, 16-bit types only): the stride offset is the
+//     distance between 8-row groups along K, the leading offset the distance
+//     between 64-element groups along M or N; k16 slices start 2048 bytes
+//     apart (two atoms).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/ptx/sm80.cuh"
+
+namespace ikbo::detail::cuda::ptx {
+
+// Descriptor of a 128-byte-swizzled operand starting at `tile` (shared memory).
+__device__ __forceinline__ std::uint64_t wgmma_descriptor_sw128(const void* tile,
+                                                                std::uint32_t leading_bytes,
+                                                                std::uint32_t stride_bytes) {
+  constexpr std::uint64_t kSwizzle128B = 1;
+  const std::uint32_t address = shared_address(tile);
+  return static_cast<std::uint64_t>((address & 0x3FFFF) >> 4) |
+         static_cast<std::uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<std::uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | kSwizzle128B << 62;
+}
+
+// The same operand `bytes` further on (bytes a multiple of 16; the start
+// address field cannot carry out, since shared memory ends below 256 KiB).
+__device__ __forceinline__ std::uint64_t advance_descriptor(std::uint64_t descriptor,
+                                                            std::uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit_group() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Pins accumulator registers in place across asynchronous wgmma work.
+template <int kCount>
+__device__ __forceinline__ void fence_operands(float (&values)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(values[i])::"memory");
+}
+
+#define IKBO_WGMMA_ACCUMULATORS_8(d, i)                                                  \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+
+#define IKBO_WGMMA_M64N224K16(TYPE)                                                             \
+  asm volatile(                                                                                 \
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %114, 0;\n"                           \
+      "wgmma.mma_async.sync.aligned.m64n224k16.f32." TYPE "." TYPE "\n{"                        \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "        \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "        \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "        \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, " \
+      "%111},\n%112, %113, accumulate, 1, 1, %115, %116;\n}\n"                                  \
+      : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),                       \
+        IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),                     \
+        IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),                     \
+        IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56),                     \
+        IKBO_WGMMA_ACCUMULATORS_8(d, 64), IKBO_WGMMA_ACCUMULATORS_8(d, 72),                     \
+        IKBO_WGMMA_ACCUMULATORS_8(d, 80), IKBO_WGMMA_ACCUMULATORS_8(d, 88),                     \
+        IKBO_WGMMA_ACCUMULATORS_8(d, 96), IKBO_WGMMA_ACCUMULATORS_8(d, 104)                     \
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
+
+// d (64 x 224, fp32) = a (64 x 16) @ b (16 x 224) + (accumulate ? d : 0),
+// both operands in shared memory. kTransposeA / kTransposeB: 0 for a
+// K-major operand, 1 for an MN-major one.
+template <typename Element, int kTransposeA, int kTransposeB>
+__device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t a, std::uint64_t b,
+                                                 bool accumulate_into_d) {
+  const std::uint32_t accumulate = accumulate_into_d ? 1 : 0;
+  if constexpr (std::is_same_v<Element, __half>) {
+    IKBO_WGMMA_M64N224K16("f16");
+  } else {
+    static_assert(std::is_same_v<Element, __nv_bfloat16>, "wgmma here takes f16 or bf16");
+    IKBO_WGMMA_M64N224K16("bf16");
+  }
+}
+
+#undef IKBO_WGMMA_M64N224K16
+#undef IKBO_WGMMA_ACCUMULATORS_8
+
+}  // namespace ikbo::detail::cuda::ptx

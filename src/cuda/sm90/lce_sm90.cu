@@ -1,0 +1,586 @@
+// src/cuda/sm90/lce_sm90.cu — LCE on Hopper: TMA loads, wgmma with fp32
+// accumulators on the warp-specialized pipeline (sm90/pipeline.cuh), and
+// the user partial gathered and added in the candidate GEMM's epilogue.
+//
+//   out[b] = w_c @ e_c[b] + w_u @ e_u[cand_to_user[b]]
+//
+// One persistent launch on the caller's stream runs two kinds of work units:
+//   user units       P[u] = w_u @ e_u[u] in fp32 into the workspace, one
+//                    tile at a time, each tile flagged ready when stored;
+//   candidate units  out[b] = round(w_c @ e_c[b] + P[cand_to_user[b]]): the
+//                    epilogue waits for the flag of the P tile it needs,
+//                    adds it in fp32 registers and rounds once; no candidate
+//                    partial ever goes to memory.
+// User units come first in the walk, so they are the first units of their
+// clusters and never wait: every flag is set while the candidate units'
+// main loops run, and the user GEMM costs no launch or pipeline drain.
+// (A flag counter per P tile, zeroed by a memset before the launch.)
+//
+// Orientation. Each GEMM runs transposed, out[b]^T = e[b]^T @ w^T: wgmma's
+// M side (64 rows per warpgroup) walks N, its N side walks the M rows of
+// out. wgmma's N may be any multiple of 8 up to 256, so M = 433 takes two
+// blocks of 224 rows (3% padding) instead of four of 128 (18%).
+//
+// Tile = (batch item b, 128 columns of N, 224 rows of M); per k-step of 64:
+//   A = e[b][k0:k0+64, n0:n0+128], two TMA boxes {64 n, 64 k} (one per
+//       consumer warpgroup) read in place through a 3-D map {N, K, batch}:
+//       MN-major (n contiguous), 128-byte swizzle. Rows k >= K of item b
+//       arrive as zeros: a K tail never reads item b+1 (0 x Inf is NaN) nor
+//       past the end of the tensor.
+//   B = w[m0:m0+224, k0:k0+64] from the plan's padded copy: K-major,
+//       128-byte swizzle; rows m >= M arrive as zeros.
+// Each consumer warpgroup accumulates 64 n x 224 m, 112 fp32 registers per
+// thread.
+//
+// Clusters of two. Operand traffic from L2 bounds this GEMM (measured on
+// H100: L2 at 74% of peak, tensor cores 45% busy, with one CTA per tile).
+// The two CTAs of a cluster take neighbouring N blocks of the same
+// (b, M block), so they need the same weight tile: each loads half of it
+// (a {64 k, 112 m} box) and multicasts it into both CTAs, which cuts the
+// L2 reads per tile by a third. N blocks are padded to an even count; a
+// block past N computes zeros and stores nothing.
+//
+// Epilogues.
+//   user units: P is stored exactly as it sits in the accumulators
+//     ("fragment order": per tile, [register quad j][consumer thread][4]),
+//     so a warp writes 512 contiguous bytes per 16-byte store.
+//   candidate units: the same tile of P[cand_to_user[b]] is read the same
+//     way (L2-resident), added, rounded, transposed into shared memory with
+//     stmatrix.trans (rows of M with N contiguous, 128-byte swizzled, so the
+//     stores are free of bank conflicts) and written by TMA stores of 112
+//     rows, which clip the M and N tails and drain while the next unit's
+//     main loop runs. Staging half a tile at a time leaves shared memory for
+//     four pipeline stages instead of three.
+//
+// Schedule: a persistent grid of co-resident clusters walks the units in
+// the order (user units; then b, N-block pair, M block): the M blocks that
+// share columns of e[b] run side by side, so those columns come from DRAM
+// once and from L2 after.
+#include "cuda/sm90/lce_sm90.hpp"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/check.cuh"
+#include "cuda/dtype.cuh"
+#include "cuda/ptx/flags.cuh"
+#include "cuda/ptx/sm80.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/runtime.cuh"
+#include "cuda/sm90/pipeline.cuh"
+
+// For targets without wgmma the kernels compile to a trap (see
+// lce_sm90_kernel), so their device passes never reference the tile
+// constants below.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma nv_diag_suppress 177
+#endif
+
+namespace ikbo::detail::cuda {
+namespace {
+
+using sm90::kWarpgroupThreads;
+
+constexpr int kBlockN = 128;          // columns of out per tile
+constexpr int kWarpgroupBlockN = 64;  // of which each consumer warpgroup takes one wgmma M
+constexpr int kBlockM = 224;          // rows of out per tile (wgmma N)
+constexpr int kBlockK = 64;           // one 128-byte swizzle row of 16-bit elements
+constexpr int kWgmmaK = 16;
+constexpr std::int64_t kTileElements = std::int64_t{kBlockN} * kBlockM;
+// Shared-memory tiles start on the 128-byte swizzle's 1024-byte atoms.
+constexpr int kSharedAlignment = 1024;
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kElementBytes = 2;
+
+constexpr int kClusterSize = 2;          // CTAs sharing one weight tile
+constexpr int kStagingRows = kBlockM / 2;  // rows of M per output TMA store
+
+struct LceSm90Params {
+  // {N, K, batch}, boxes {64 n, 64 k, 1}
+  CUtensorMap user_activations, candidate_activations;
+  // {K, M}, boxes {64 k, 112 m}: each CTA of a cluster loads one half
+  CUtensorMap user_weights, candidate_weights;
+  CUtensorMap out;  // {N, M, B}, boxes {64 n, 112 m, 1}
+  float* user_partials;  // [U][N block][M block][fragment order]
+  int* user_ready;       // [U][N block][M block]: warpgroups that stored their part
+  const std::int32_t* cand_to_user;
+  int n;
+  int user_k_steps, candidate_k_steps;
+  int n_blocks, m_blocks;  // n_blocks even
+  int num_user_units, num_units;
+};
+
+template <typename Element>
+struct LceSm90Kernel {
+  static constexpr int kConsumerWarpgroups = kBlockN / kWarpgroupBlockN;
+  static constexpr int kStages = 4;
+  static constexpr int kClusterSize = ::ikbo::detail::cuda::kClusterSize;
+  // 128 x 40 + 256 x 232 <= 64K registers of the SM.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kAccumulators = kWarpgroupBlockN * kBlockM / kWarpgroupThreads;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
+  static constexpr int kWeightRowsPerCta = kBlockM / kClusterSize;
+
+  using Params = LceSm90Params;
+  struct Accumulators {
+    float values[kAccumulators];
+  };
+  struct Stage {
+    Element activations[kConsumerWarpgroups][kBlockK * kWarpgroupBlockN];  // [k][n] each
+    Element weights[kBlockM * kBlockK];                                      // [m][k]
+  };
+  struct SharedStorage {
+    Stage stages[kStages];
+    Element out[kConsumerWarpgroups][kStagingRows * kWarpgroupBlockN];  // [m][n] each
+  };
+  // Both CTAs' weight halves land in each CTA's stage.
+  static constexpr std::uint32_t kStageBytes = sizeof(Stage);
+  static_assert(sizeof(Stage::activations[0]) % kSharedAlignment == 0 &&
+                    sizeof(Stage::activations) % kSharedAlignment == 0 &&
+                    sizeof(Stage) % kSharedAlignment == 0 &&
+                    kWeightRowsPerCta * kBlockK * sizeof(Element) % kSharedAlignment == 0 &&
+                    sizeof(SharedStorage::out[0]) % kSharedAlignment == 0,
+                "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
+  static_assert(kBlockM % kStagingRows == 0 && kStagingRows % 16 == 0,
+                "output stores take whole stmatrix.x4 row pairs");
+
+  struct Tile {
+    bool user;  // a user unit (P tile) or a candidate unit (out tile)
+    int batch, n_block, m_block;
+    std::int64_t partial_tile;  // index of its P tile
+  };
+
+  // Unit -> tile: user units first, then candidate units, each walking
+  // (batch item, N block pair, M block); the CTA of rank r takes the pair's
+  // N block 2 * pair + r.
+  __device__ static Tile tile_at(const Params& params, int unit, int rank) {
+    Tile tile;
+    tile.user = unit < params.num_user_units;
+    const int index = tile.user ? unit : unit - params.num_user_units;
+    const int units_per_item = params.n_blocks / kClusterSize * params.m_blocks;
+    const int within_item = index % units_per_item;
+    tile.batch = index / units_per_item;
+    tile.n_block = within_item / params.m_blocks * kClusterSize + rank;
+    tile.m_block = within_item % params.m_blocks;
+    const int user = tile.user ? tile.batch : params.cand_to_user[tile.batch];
+    tile.partial_tile =
+        (static_cast<std::int64_t>(user) * params.n_blocks + tile.n_block) * params.m_blocks +
+        tile.m_block;
+    return tile;
+  }
+
+  __device__ static int num_units(const Params& params) { return params.num_units; }
+  __device__ static int num_k_steps(const Params& params, int unit) {
+    return unit < params.num_user_units ? params.user_k_steps : params.candidate_k_steps;
+  }
+
+  __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
+                              std::uint64_t* full) {
+    const Tile tile = tile_at(params, unit, rank);
+    const CUtensorMap* activations =
+        tile.user ? &params.user_activations : &params.candidate_activations;
+    const CUtensorMap* weights = tile.user ? &params.user_weights : &params.candidate_weights;
+    const int k0 = k_step * kBlockK;
+#pragma unroll
+    for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
+      ptx::tma_load(stage.activations[consumer], activations,
+                    tile.n_block * kBlockN + consumer * kWarpgroupBlockN, k0, tile.batch, full);
+    }
+    const int first_row = rank * kWeightRowsPerCta;
+    ptx::tma_load_multicast(stage.weights + first_row * kBlockK, weights, k0,
+                            tile.m_block * kBlockM + first_row, full,
+                            (1u << kClusterSize) - 1);
+  }
+
+  __device__ static void compute(const Stage& stage, int k_step, Accumulators& accumulators,
+                                 int consumer) {
+    // A (e^T, MN-major) spans a single 64-wide group along n, so only the
+    // stride offset (8 k-rows, 1024 bytes) is used; the leading offset gets
+    // the same value. B (w, K-major) steps 1024 bytes per 8 rows of m.
+    constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;
+    const std::uint64_t a =
+        ptx::wgmma_descriptor_sw128(stage.activations[consumer], kAtomBytes, kAtomBytes);
+    const std::uint64_t b = ptx::wgmma_descriptor_sw128(stage.weights, 16, kAtomBytes);
+    ptx::fence_operands(accumulators.values);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int slice = 0; slice < kBlockK / kWgmmaK; ++slice) {
+      ptx::wgmma_m64n224k16<Element, 1, 0>(
+          accumulators.values, ptx::advance_descriptor(a, slice * kWgmmaK * kSwizzleRowBytes),
+          ptx::advance_descriptor(b, slice * kWgmmaK * kElementBytes), k_step > 0 || slice > 0);
+    }
+    ptx::wgmma_commit_group();
+    ptx::fence_operands(accumulators.values);
+  }
+
+  __device__ static void finish(const Params& params, int unit, int rank,
+                                Accumulators& accumulators, SharedStorage& shared, int consumer) {
+    float* acc = accumulators.values;
+    ptx::fence_operands(accumulators.values);
+    const Tile tile = tile_at(params, unit, rank);
+    const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+    const std::uint32_t barrier_id = 1 + consumer;
+    // This thread's first float of the fragment-ordered P tile; the float4s
+    // of register quad j are kConsumerThreads apart.
+    float* partial = params.user_partials + tile.partial_tile * kTileElements +
+                     4 * (consumer * kWarpgroupThreads + thread);
+    int* ready = params.user_ready + tile.partial_tile;
+
+    if (tile.user) {
+#pragma unroll
+      for (int quad = 0; quad < kAccumulators / 4; ++quad) {
+        *reinterpret_cast<float4*>(partial + quad * 4 * kConsumerThreads) =
+            make_float4(acc[4 * quad], acc[4 * quad + 1], acc[4 * quad + 2], acc[4 * quad + 3]);
+      }
+      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+      if (thread == 0) ptx::signal_ready(ready);
+      return;
+    }
+
+    if (thread == 0) ptx::wait_ready(ready, kConsumerWarpgroups);
+    ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+#pragma unroll
+    for (int quad = 0; quad < kAccumulators / 4; ++quad) {
+      const float4 user_part =
+          __ldcg(reinterpret_cast<const float4*>(partial + quad * 4 * kConsumerThreads));
+      acc[4 * quad] += user_part.x;
+      acc[4 * quad + 1] += user_part.y;
+      acc[4 * quad + 2] += user_part.z;
+      acc[4 * quad + 3] += user_part.w;
+    }
+
+    Element* staging = shared.out[consumer];
+    const int n0 = tile.n_block * kBlockN + consumer * kWarpgroupBlockN;
+    // stmatrix.x4 over register quads j and j+1 stores four 8x8 blocks:
+    // (n rows g, g+8 of this warp) x (m columns of quads j, j+1),
+    // transposed so that each stored row is one m with 8 consecutive n.
+    // Lane l addresses row l % 8 of block l / 8. Staging rows are 128
+    // bytes (64 n); the 16-byte chunk c of row m sits at c ^ (m % 8).
+    const int warp = thread / 32, lane = thread % 32;
+    const int block = lane / 8, block_row = lane % 8;
+    const int n_chunk = 2 * warp + block % 2;
+    const std::uint32_t lane_address = ptx::shared_address(staging) +
+                                       block_row * kSwizzleRowBytes + ((n_chunk ^ block_row) << 4);
+    constexpr int kQuadsPerStore = kStagingRows / 8;
+#pragma unroll
+    for (int store = 0; store < kBlockM / kStagingRows; ++store) {
+      // The staging rows are free again once the previous store has read them.
+      if (thread == 0) ptx::bulk_wait_group_read<0>();
+      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+#pragma unroll
+      for (int pair = 0; pair < kQuadsPerStore; pair += 2) {
+        const int quad = store * kQuadsPerStore + pair;
+        const int m_row = 8 * (pair + block / 2);  // first staged row of this lane's block
+        ptx::stmatrix_x4_trans(lane_address + m_row * kSwizzleRowBytes,
+                               ptx::pack_pair<Element>(acc[4 * quad], acc[4 * quad + 1]),
+                               ptx::pack_pair<Element>(acc[4 * quad + 2], acc[4 * quad + 3]),
+                               ptx::pack_pair<Element>(acc[4 * quad + 4], acc[4 * quad + 5]),
+                               ptx::pack_pair<Element>(acc[4 * quad + 6], acc[4 * quad + 7]));
+      }
+      ptx::fence_async_shared();
+      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+      if (thread == 0 && n0 < params.n) {
+        ptx::tma_store(&params.out, n0, tile.m_block * kBlockM + store * kStagingRows, tile.batch,
+                       staging);
+        ptx::bulk_commit_group();
+      }
+    }
+  }
+
+  __device__ static void drain(SharedStorage&, int) {
+    if (threadIdx.x % kWarpgroupThreads == 0) ptx::bulk_wait_group<0>();
+  }
+};
+
+template <class Kernel>
+constexpr std::size_t kDynamicSharedBytes = sizeof(typename Kernel::SharedStorage) + kSharedAlignment;
+
+template <class Kernel>
+__global__ void __launch_bounds__(sm90::kPipelineThreads<Kernel>, 1)
+    lce_sm90_kernel(const __grid_constant__ LceSm90Params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // Static shared memory exists only in this sm_90a body: the host reads it
+  // back (cudaFuncGetAttributes) to know that the binary carries the kernel.
+  __shared__ sm90::PipelineBarriers<Kernel::kStages> barriers;
+  extern __shared__ unsigned char dynamic_shared[];
+  const std::uint32_t misalignment = ptx::shared_address(dynamic_shared) % kSharedAlignment;
+  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(
+      dynamic_shared + (misalignment == 0 ? 0 : kSharedAlignment - misalignment));
+  sm90::run_pipeline<Kernel>(params, shared, barriers);
+#elif defined(__CUDA_ARCH__)
+  // Compiled for a target without wgmma; lce_sm90_available() keeps the
+  // host from launching it.
+  __trap();
+#endif
+}
+
+// ---- device support, probed once per device ----
+
+struct DeviceSupport {
+  bool available = false;
+  int clusters = 0;  // clusters of the kernel that fit on the GPU at once
+};
+
+template <class Kernel>
+cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream,
+                                 cudaLaunchAttribute& cluster_shape) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(clusters * Kernel::kClusterSize));
+  config.blockDim = dim3(sm90::kPipelineThreads<Kernel>);
+  config.dynamicSmemBytes = kDynamicSharedBytes<Kernel>;
+  config.stream = stream;
+  cluster_shape.id = cudaLaunchAttributeClusterDimension;
+  cluster_shape.val.clusterDim.x = Kernel::kClusterSize;
+  cluster_shape.val.clusterDim.y = 1;
+  cluster_shape.val.clusterDim.z = 1;
+  config.attrs = &cluster_shape;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Raises the kernel's dynamic shared memory limit; returns how many of its
+// clusters fit on the device at once.
+template <class Kernel>
+int prepare_kernel(int multiprocessors) {
+  IKBO_CUDA_CHECK(cudaFuncSetAttribute(lce_sm90_kernel<Kernel>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kDynamicSharedBytes<Kernel>)));
+  cudaLaunchAttribute cluster_shape{};
+  const cudaLaunchConfig_t config =
+      launch_config<Kernel>(multiprocessors / Kernel::kClusterSize, nullptr, cluster_shape);
+  int clusters = 0;
+  IKBO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, lce_sm90_kernel<Kernel>, &config));
+  return clusters;
+}
+
+DeviceSupport probe_device(int ordinal) {
+  DeviceGuard guard(ordinal);
+  int major = 0, minor = 0, multiprocessors = 0, shared_optin = 0;
+  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
+  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal));
+  IKBO_CUDA_CHECK(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, ordinal));
+  IKBO_CUDA_CHECK(
+      cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal));
+  // sm_90a code runs on compute capability 9.0 only.
+  if (major != 9 || minor != 0) return {};
+  cudaFuncAttributes attributes{};
+  const cudaError_t status =
+      cudaFuncGetAttributes(&attributes, lce_sm90_kernel<LceSm90Kernel<__half>>);
+  if (status == cudaErrorInvalidDeviceFunction || status == cudaErrorNoKernelImageForDevice) {
+    static_cast<void>(cudaGetLastError());  // not sticky; keep it from later launch checks
+    return {};
+  }
+  IKBO_CUDA_CHECK(status);
+  if (attributes.sharedSizeBytes == 0) return {};
+  if (static_cast<std::size_t>(shared_optin) <
+      kDynamicSharedBytes<LceSm90Kernel<__half>> + attributes.sharedSizeBytes) {
+    return {};
+  }
+  const int clusters = std::min(prepare_kernel<LceSm90Kernel<__half>>(multiprocessors),
+                                prepare_kernel<LceSm90Kernel<__nv_bfloat16>>(multiprocessors));
+  return {clusters > 0, clusters};
+}
+
+DeviceSupport device_support(int ordinal) {
+  static std::mutex mutex;
+  static std::vector<std::optional<DeviceSupport>> probed(
+      static_cast<std::size_t>(device::device_count()));
+  if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= probed.size()) return {};
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& entry = probed[static_cast<std::size_t>(ordinal)];
+  if (!entry) entry = probe_device(ordinal);
+  return *entry;
+}
+
+std::atomic<bool>& enabled_switch() {
+  static std::atomic<bool> enabled{[] {
+    const char* value = std::getenv("IKBO_DISABLE_SM90");
+    return value == nullptr || std::string_view(value).empty() || std::string_view(value) == "0";
+  }()};
+  return enabled;
+}
+
+// ---- launch ----
+
+struct TileGrid {
+  std::int64_t n_blocks = 0, m_blocks = 0;  // n_blocks padded to whole clusters
+  std::int64_t partial_tiles_per_user() const { return n_blocks * m_blocks; }
+  std::int64_t units_per_item() const { return n_blocks / kClusterSize * m_blocks; }
+};
+
+TileGrid tile_grid(std::int64_t m, std::int64_t n) {
+  const std::int64_t n_blocks = (n + kBlockN - 1) / kBlockN;
+  return {(n_blocks + kClusterSize - 1) / kClusterSize * kClusterSize,
+          (m + kBlockM - 1) / kBlockM};
+}
+
+// Workspace: P tiles, then their ready counters.
+struct WorkspaceLayout {
+  std::size_t partial_bytes = 0, ready_bytes = 0;
+};
+
+WorkspaceLayout workspace_layout(const TileGrid& grid, std::int64_t num_users) {
+  const auto tiles = static_cast<std::size_t>(num_users * grid.partial_tiles_per_user());
+  return {tiles * static_cast<std::size_t>(kTileElements) * sizeof(float), tiles * sizeof(int)};
+}
+
+template <typename Element>
+constexpr CUtensorMapDataType kTensorMapType =
+    std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+
+// e [batch, K, N] in boxes of 64 n x 64 k.
+template <typename Element>
+CUtensorMap activation_map(const void* e, std::int64_t n, std::int64_t k, std::int64_t batch) {
+  ptx::TensorMapLayout layout;
+  layout.rank = 3;
+  layout.dims[0] = static_cast<cuuint64_t>(n);
+  layout.dims[1] = static_cast<cuuint64_t>(k);
+  layout.dims[2] = static_cast<cuuint64_t>(batch);
+  layout.strides_bytes[0] = static_cast<cuuint64_t>(n * kElementBytes);
+  layout.strides_bytes[1] = static_cast<cuuint64_t>(k * n * kElementBytes);
+  layout.box[0] = kWarpgroupBlockN;
+  layout.box[1] = kBlockK;
+  layout.box[2] = 1;
+  return ptx::make_tensor_map(kTensorMapType<Element>, e, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// w [M, K], rows `ld` elements apart, in boxes of 64 k x 112 m.
+template <typename Element>
+CUtensorMap weight_map(const void* w, std::int64_t k, std::int64_t ld, std::int64_t m) {
+  ptx::TensorMapLayout layout;
+  layout.rank = 2;
+  layout.dims[0] = static_cast<cuuint64_t>(k);
+  layout.dims[1] = static_cast<cuuint64_t>(m);
+  layout.strides_bytes[0] = static_cast<cuuint64_t>(ld * kElementBytes);
+  layout.box[0] = kBlockK;
+  layout.box[1] = LceSm90Kernel<Element>::kWeightRowsPerCta;
+  return ptx::make_tensor_map(kTensorMapType<Element>, w, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// out [B, M, N] in boxes of 64 n x 112 m.
+template <typename Element>
+CUtensorMap output_map(void* out, std::int64_t n, std::int64_t m, std::int64_t batch) {
+  ptx::TensorMapLayout layout;
+  layout.rank = 3;
+  layout.dims[0] = static_cast<cuuint64_t>(n);
+  layout.dims[1] = static_cast<cuuint64_t>(m);
+  layout.dims[2] = static_cast<cuuint64_t>(batch);
+  layout.strides_bytes[0] = static_cast<cuuint64_t>(n * kElementBytes);
+  layout.strides_bytes[1] = static_cast<cuuint64_t>(m * n * kElementBytes);
+  layout.box[0] = kWarpgroupBlockN;
+  layout.box[1] = kStagingRows;
+  layout.box[2] = 1;
+  return ptx::make_tensor_map(kTensorMapType<Element>, out, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+template <typename Element>
+void run_lce_sm90(const LceArgs& args, int max_clusters, cudaStream_t stream) {
+  using Kernel = LceSm90Kernel<Element>;
+  const LcePlan::State& plan = *args.plan;
+  const TileGrid grid = tile_grid(plan.m, args.n);
+  const WorkspaceLayout layout = workspace_layout(grid, args.num_users);
+  const auto k_steps = [](std::int64_t k) { return static_cast<int>((k + kBlockK - 1) / kBlockK); };
+
+  LceSm90Params params{};
+  params.user_activations = activation_map<Element>(args.e_u, args.n, plan.ku, args.num_users);
+  params.candidate_activations =
+      activation_map<Element>(args.e_c, args.n, plan.kc, args.num_candidates);
+  params.user_weights = weight_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.m);
+  params.candidate_weights = weight_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.m);
+  params.out = output_map<Element>(args.out, args.n, plan.m, args.num_candidates);
+  auto* workspace = static_cast<char*>(args.workspace);
+  params.user_partials = reinterpret_cast<float*>(workspace);
+  params.user_ready = reinterpret_cast<int*>(workspace + layout.partial_bytes);
+  params.cand_to_user = args.map->device_view.cand_to_user;
+  params.n = static_cast<int>(args.n);
+  params.user_k_steps = k_steps(plan.ku);
+  params.candidate_k_steps = k_steps(plan.kc);
+  params.n_blocks = static_cast<int>(grid.n_blocks);
+  params.m_blocks = static_cast<int>(grid.m_blocks);
+  params.num_user_units = static_cast<int>(args.num_users * grid.units_per_item());
+  params.num_units =
+      params.num_user_units + static_cast<int>(args.num_candidates * grid.units_per_item());
+
+  IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
+  cudaLaunchAttribute cluster_shape{};
+  const cudaLaunchConfig_t config =
+      launch_config<Kernel>(std::min(params.num_units, max_clusters), stream, cluster_shape);
+  check_cuda(cudaLaunchKernelEx(&config, lce_sm90_kernel<Kernel>, params),
+             "cudaLaunchKernelEx(lce_sm90_kernel)");
+}
+
+bool aligned_16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
+
+}  // namespace
+
+bool lce_sm90_available(Device device) {
+  return device.is_cuda() && device_support(device.index).available;
+}
+
+bool lce_sm90_supported(const LcePlan::State& plan, std::int64_t n, std::int64_t num_candidates,
+                        std::int64_t num_users) {
+  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+  // TMA strides stay below 2^40 bytes.
+  constexpr std::int64_t kMaxStrideBytes = std::int64_t{1} << 40;
+  if (plan.ku <= 0 || (plan.dtype != DType::f16 && plan.dtype != DType::bf16)) return false;
+  if (n % 8 != 0 || n > kInt32Max || plan.m > kInt32Max || plan.kc > kInt32Max ||
+      plan.ku > kInt32Max) {
+    return false;
+  }
+  if (std::max({plan.m, plan.kc, plan.ku}) * n * kElementBytes >= kMaxStrideBytes) return false;
+  const TileGrid grid = tile_grid(plan.m, n);
+  if (num_candidates + num_users > kInt32Max / grid.partial_tiles_per_user()) return false;
+  return lce_sm90_available(plan.device);
+}
+
+std::size_t lce_sm90_workspace_bytes(const LcePlan::State& plan, std::int64_t n,
+                                     std::int64_t num_users) {
+  const WorkspaceLayout layout = workspace_layout(tile_grid(plan.m, n), num_users);
+  return layout.partial_bytes + layout.ready_bytes;
+}
+
+bool lce_sm90_eligible(const LceArgs& args) {
+  const LcePlan::State& plan = *args.plan;
+  return lce_sm90_enabled() && plan.ku > 0 && aligned_16(args.e_c) && aligned_16(args.e_u) &&
+         aligned_16(args.out) && args.workspace != nullptr && aligned_16(args.workspace) &&
+         args.workspace_bytes >= lce_sm90_workspace_bytes(plan, args.n, args.num_users) &&
+         lce_sm90_supported(plan, args.n, args.num_candidates, args.num_users);
+}
+
+void lce_sm90(const LceArgs& args) {
+  const LcePlan::State& plan = *args.plan;
+  DeviceGuard guard(plan.device.index);
+  const int max_clusters = device_support(plan.device.index).clusters;
+  const cudaStream_t stream = to_cuda_stream(args.stream);
+  dispatch_float_dtype(plan.dtype, [&](auto element) {
+    using Element = decltype(element);
+    if constexpr (std::is_same_v<Element, float>) {
+      throw RuntimeError("lce_sm90: no Hopper kernel for float32 (lce_sm90_eligible is false)");
+    } else {
+      run_lce_sm90<Element>(args, max_clusters, stream);
+    }
+  });
+}
+
+bool lce_sm90_enabled() { return enabled_switch().load(); }
+
+void set_lce_sm90_enabled(bool enabled) { enabled_switch().store(enabled); }
+
+}  // namespace ikbo::detail::cuda
