@@ -36,14 +36,13 @@
 #include "backend.hpp"
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/ptx/sm80.cuh"
 #include "cuda/runtime.cuh"
 
 namespace ikbo::detail::cuda {
 namespace {
 
-constexpr std::int64_t kMaxGridX = 0x7fffffff;
-constexpr std::int64_t kMaxGridY = 65535;
 constexpr unsigned kFullWarp = 0xffffffffu;
 constexpr double kLog2e = 1.4426950408889634;
 

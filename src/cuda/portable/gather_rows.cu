@@ -12,14 +12,11 @@
 
 #include "backend.hpp"
 #include "cuda/check.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/runtime.cuh"
 
 namespace ikbo::detail::cuda {
 namespace {
-
-constexpr int kThreadsPerBlock = 256;
-constexpr std::int64_t kMaxGridY = 65535;
-constexpr std::int64_t kMaxGridX = 0x7fffffff;
 
 template <typename Word>
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -42,15 +39,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 template <typename Word>
 void launch_gather(const GatherRowsArgs& args, cudaStream_t stream) {
   const std::int64_t row_words = args.row_bytes / static_cast<std::int64_t>(sizeof(Word));
-  // Short rows share a block (threads.y rows at once) so no lane idles on a
-  // row of a few words; long rows get the whole block.
-  const int threads_x =
-      static_cast<int>(std::min<std::int64_t>(kThreadsPerBlock, round_up(row_words, 32)));
-  const dim3 block(threads_x, kThreadsPerBlock / threads_x);
-  const dim3 grid(
-      static_cast<unsigned>(std::min(kMaxGridX, (row_words + threads_x - 1) / threads_x)),
-      static_cast<unsigned>(std::min(kMaxGridY, (args.rows + block.y - 1) / block.y)));
-  gather_rows_kernel<Word><<<grid, block, 0, stream>>>(
+  const RowLaunch launch = row_launch(args.rows, row_words);
+  gather_rows_kernel<Word><<<launch.grid, launch.block, 0, stream>>>(
       static_cast<char*>(args.dst), args.dst_stride, static_cast<const char*>(args.src),
       args.src_stride, args.index, args.rows, row_words);
   check_launch("gather_rows_kernel");

@@ -47,6 +47,7 @@
 #include "backend.hpp"
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/sm90/lce_sm90.hpp"
 
@@ -61,22 +62,6 @@ namespace {
 constexpr std::size_t kCandidateChunkBytes = std::size_t{64} << 20;
 // cuBLAS's fast kernels want the GEMM's K to be a multiple of this.
 constexpr std::int64_t kGemmKMultiple = 8;
-// cuBLAS scratch (split-K and similar); 32 MiB is NVIDIA's recommendation for
-// Hopper and more than enough elsewhere.
-constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
-// cuBLAS requires a 256-byte aligned workspace; it also serves the 16-byte
-// vector loads of the combine kernel.
-constexpr std::size_t kWorkspaceAlignment = 256;
-
-constexpr int kThreadsPerBlock = 256;
-constexpr std::int64_t kMaxGridY = 65535;
-constexpr std::int64_t kMaxGridX = 0x7fffffff;
-
-std::size_t align_bytes(std::size_t bytes) {
-  return static_cast<std::size_t>(
-      round_up(static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(kWorkspaceAlignment)));
-}
-
 struct WorkspaceLayout {
   std::int64_t chunk_candidates = 0;  // candidates per candidate-GEMM chunk
   std::size_t user_offset = 0;        // offsets from the aligned workspace start

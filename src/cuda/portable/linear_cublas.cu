@@ -40,6 +40,7 @@
 #include "backend.hpp"
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/runtime.cuh"
 
 namespace ikbo::detail::cuda {
@@ -49,22 +50,6 @@ namespace {
 // bounded for any B; 64 MiB holds 32K candidates at N_out = 512, so typical
 // requests run as one GEMM.
 constexpr std::size_t kCandidateChunkBytes = std::size_t{64} << 20;
-// cuBLAS scratch (split-K and similar); 32 MiB is NVIDIA's recommendation for
-// Hopper and more than enough elsewhere.
-constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
-// cuBLAS requires a 256-byte aligned workspace; it also serves the 16-byte
-// vector loads of the combine kernel.
-constexpr std::size_t kWorkspaceAlignment = 256;
-
-constexpr int kThreadsPerBlock = 256;
-constexpr std::int64_t kMaxGridY = 65535;
-constexpr std::int64_t kMaxGridX = 0x7fffffff;
-
-std::size_t align_bytes(std::size_t bytes) {
-  return static_cast<std::size_t>(
-      round_up(static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(kWorkspaceAlignment)));
-}
-
 struct WorkspaceLayout {
   std::int64_t chunk_candidates = 0;  // candidates per candidate-GEMM chunk
   std::size_t candidate_offset = 0;   // user partials start at offset 0
@@ -99,24 +84,6 @@ void gemm_weight_transposed(cublasHandle_t handle, DType dtype, std::int64_t row
       static_cast<int>(k), &alpha, weight, input_type, static_cast<int>(ld_weight), x, input_type,
       static_cast<int>(k), &beta, outputs, CUDA_R_32F, static_cast<int>(out_features),
       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
-// Launch shape for kernels over `rows` rows of `row_items` items: threads.x
-// cover a row, and short rows share a block (threads.y rows at once) so no
-// lane idles on a row of a few items. Both grid dimensions stride.
-struct RowLaunch {
-  dim3 grid;
-  dim3 block;
-};
-
-RowLaunch row_launch(std::int64_t rows, std::int64_t row_items) {
-  const int threads_x =
-      static_cast<int>(std::min<std::int64_t>(kThreadsPerBlock, round_up(row_items, 32)));
-  const dim3 block(threads_x, kThreadsPerBlock / threads_x);
-  const dim3 grid(
-      static_cast<unsigned>(std::min(kMaxGridX, (row_items + threads_x - 1) / threads_x)),
-      static_cast<unsigned>(std::min(kMaxGridY, (rows + block.y - 1) / block.y)));
-  return {grid, block};
 }
 
 // user_partials[u, :] = bias for every user u < num_users.
