@@ -1,0 +1,110 @@
+"""python -m ikbo.bench at tiny sizes on the CPU: every variant is checked and
+timed, the tables print, the JSON records follow shared/DESIGN.md, plots are
+drawn or skipped with a reason; plus the synthetic requests and the output
+check that rejects a wrong variant."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not importable; the Python bench compares against PyTorch"
+)
+bench = pytest.importorskip("ikbo.bench")
+
+TINY_ARGUMENTS = [
+    "--device", "cpu", "--B", "16,24", "--ratio", "4", "--S", "32,48",
+    "--lce-dims", "5,8,6,10", "--attention-dims", "1,4,64", "--reps", "2", "--warmup", "0",
+]  # fmt: skip
+LCE_VARIANTS = ["broadcast", "broadcast+copy", "decomposed", "aligned", "ikbo"]
+ATTENTION_VARIANTS = ["sdpa-flash", "sdpa-flash+copy", "packed-flash", "ikbo"]
+
+
+def test_all_suites_end_to_end(tmp_path, capsys):
+    path, plots = tmp_path / "bench.json", tmp_path / "plots"
+    assert bench.main(["all", *TINY_ARGUMENTS, "--json", str(path), "--plot", str(plots)]) == 0
+    printed = capsys.readouterr().out
+    assert "LCE staircase at B=16, ratio 4" in printed and "Attention, H=1" in printed
+
+    document = json.loads(path.read_text())
+    assert {"device", "date", "commit", "backend", "settings", "ceilings", "records"} <= set(
+        document
+    )
+    assert document["backend"] == "cpu" and document["not_measured"] == []
+    assert document["ceilings"]["matmul_tflops"] > 0 and document["ceilings"]["bandwidth_gbps"] > 0
+    records = document["records"]
+    lce = [record for record in records if record["suite"] == "lce"]
+    attention = [record for record in records if record["suite"] == "attention"]
+    assert [record["variant"] for record in lce] == LCE_VARIANTS * 2
+    assert [record["variant"] for record in attention] == ATTENTION_VARIANTS * 4
+    for record in records:
+        assert record["dtype"] == "fp32" and record["ratio"] == 4
+        for key in ("median_ms", "tflops", "gbps", "floor_ms", "pct_of_floor"):
+            assert record[key] > 0, key
+        assert record["speedup_vs_broadcast"] > 0 and record["speedup_vs_broadcast_copy"] > 0
+    assert {(r["B"], r["U"], r["M"], r["N"], r["Ku"], r["Kc"]) for r in lce} == {
+        (16, 4, 5, 8, 6, 10),
+        (24, 6, 5, 8, 6, 10),
+    }
+    assert {(r["B"], r["S"], r["H"], r["n_seed"], r["D"]) for r in attention} == {
+        (b, s, 1, 4, 64) for b in (16, 24) for s in (32, 48)
+    }
+    for suite, variants in (("lce", LCE_VARIANTS), ("attention", ATTENTION_VARIANTS)):
+        assert list(document["settings"]["variants"][suite]) == variants
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plots skipped: matplotlib is not importable" in printed
+    else:
+        expected = {"lce_batch_sweep.png", "lce_staircase.png", "attention_sweep.png"}
+        assert expected <= {path.name for path in plots.iterdir()}
+
+
+def test_single_suite_without_json(capsys):
+    assert bench.main(["lce", *TINY_ARGUMENTS]) == 0
+    printed = capsys.readouterr().out
+    assert "LCE, M=5, N=8, Ku=6, Kc=10, fp32" in printed and "Attention" not in printed
+
+
+@pytest.mark.parametrize(
+    ("num_candidates", "num_users", "expected"),
+    [
+        (2048, 32, [63, 65, 64, 64, 63, 65]),  # whole B/U: odd and even counts still occur
+        (1024, 15, [68, 68, 68, 69, 68, 68]),  # 1024 / 15 = 68.27: the larger groups spread out
+        (7, 3, [2, 2, 3]),
+        (3, 3, [1, 1, 1]),
+    ],
+)
+def test_candidate_counts(num_candidates, num_users, expected):
+    counts = bench.candidate_counts(num_candidates, num_users)
+    assert len(counts) == num_users and sum(counts) == num_candidates
+    assert counts[: len(expected)] == expected
+
+
+def test_users_for_ratio():
+    assert bench.users_for_ratio(1024, 70) == 15
+    assert bench.users_for_ratio(2048, 64) == 32
+    assert bench.users_for_ratio(16, 1000) == 1 and bench.users_for_ratio(4, 1) == 4
+
+
+def test_wrong_output_is_reported_not_timed():
+    def wrong(work):
+        return bench.Prepared(lambda: torch.zeros(work.shape.B, work.shape.M, work.shape.N))
+
+    suite = bench.lce_suite()
+    suite = bench.Suite(
+        "lce",
+        (*suite.variants[:1], bench.Variant("wrong", "zeros", wrong)),
+        suite.broadcast,
+        suite.broadcast_copy,
+        suite.make_workload,
+    )
+    timer = bench.Timer(torch.device("cpu"), reps=1, warmup=0)
+    ceilings = bench.measure_ceilings(timer, torch.float32)
+    shape = bench.LceShape(B=8, ratio=4, M=3, N=4, Ku=5, Kc=6)
+    result = bench.run_suite(suite, [shape], torch.float32, timer, ceilings)
+    assert [record["variant"] for record in result.records] == ["broadcast"]
+    (failure,) = result.not_measured
+    assert failure["variant"] == "wrong" and failure["outcome"] == "failed"
+    assert "output differs from broadcast's by relative error 1.00e+00" in failure["reason"]

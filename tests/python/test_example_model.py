@@ -1,0 +1,127 @@
+"""examples/ranking_model at tiny sizes: the rewrite pass replaces every
+broadcast of the model, written the usual replicate-then-compute way, with
+ikbo ops, the rewritten model reproduces the original on new requests, and
+run.py's comparison writes valid ``model`` records."""
+
+import json
+import operator
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not importable; the example model and the rewrite pass need it"
+)
+rewrite = pytest.importorskip("ikbo.rewrite")
+bench = pytest.importorskip("ikbo.bench")
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ranking_model"
+sys.path.insert(0, str(EXAMPLE))
+model_module = pytest.importorskip("model")
+run_module = pytest.importorskip("run")
+
+TINY = model_module.RankingConfig(
+    compressed_embeddings=9,
+    embedding_dim=16,
+    user_embeddings=6,
+    candidate_embeddings=10,
+    history_length=12,
+    heads=2,
+    head_dim=64,
+    seed_tokens=3,
+    user_features=5,
+    candidate_features=4,
+    user_tower_dim=6,
+    compressed_projection_dim=2,
+    mlp_dims=(8,),
+)
+CPU = torch.device("cpu")
+# On the scores (|score| < 0.5 here): both models round to the dtype after
+# every layer, in different places (ikbo ops sum their partials in fp32), so
+# they differ by a few units in the last place.
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def tiny_model(dtype):
+    torch.manual_seed(0)
+    return model_module.RankingModel(TINY).to(CPU, dtype).eval()
+
+
+def broadcasts_of(graph_module):
+    """Nodes that gather rows by the mapping: ``x[cand_to_user]``, ``index_select``."""
+    mapping = next(node for node in graph_module.graph.nodes if node.name == "cand_to_user")
+    gathers = (operator.getitem, torch.index_select, "index_select")
+    return [node for node in mapping.users if node.target in gathers]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rewrite_replaces_every_broadcast(dtype, capsys):
+    model = tiny_model(dtype)
+    original_broadcasts = broadcasts_of(torch.fx.symbolic_trace(model))
+    assert len(original_broadcasts) == 4  # user embeddings, keys, values, user tower output
+
+    inputs = run_module.make_request(TINY, 11, 4, dtype, CPU)
+    with torch.no_grad():
+        rewritten = rewrite.optimize(model, inputs)
+    report = rewritten.ikbo_report
+    assert report.left == []
+    assert sorted(item.op for item in report.rewritten) == [
+        "ikbo::attention",
+        "ikbo::lce",
+        "ikbo::linear",
+    ]
+    assert broadcasts_of(rewritten) == []
+    assert "3 rewritten, 0 broadcast(s) left" in capsys.readouterr().out
+
+    # Not specialized to the sample request: other sizes and user groups.
+    for num_candidates, ratio, seed in ((11, 4, 1), (23, 3, 2), (5, 5, 3)):
+        request = run_module.make_request(TINY, num_candidates, ratio, dtype, CPU, seed=seed)
+        with torch.no_grad():
+            expected, actual = model(*request), rewritten(*request)
+        assert actual.shape == expected.shape == (num_candidates,)
+        torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_unsorted_mapping():
+    model = tiny_model(torch.float32)
+    inputs = run_module.make_request(TINY, 13, 4, torch.float32, CPU)
+    with torch.no_grad():
+        rewritten = rewrite.optimize(model, inputs, verbose=False)
+        order = torch.randperm(13, generator=torch.Generator().manual_seed(5))
+        shuffled = (*inputs[:-1], inputs[-1][order])
+        torch.testing.assert_close(rewritten(*shuffled), model(*shuffled))
+
+
+def test_comparison_and_model_records():
+    timer = bench.Timer(CPU, reps=2, warmup=0)
+    comparison = run_module.compare(TINY, 17, 4, CPU, torch.float32, timer)
+    assert len(comparison.report.rewritten) == 3 and not comparison.report.left
+    assert comparison.max_abs_difference < 1e-4 and comparison.relative_error < 1e-5
+    assert comparison.original_ms > 0 and comparison.rewritten_ms > 0
+    assert comparison.speedup == pytest.approx(comparison.original_ms / comparison.rewritten_ms)
+
+    records = run_module.model_records(comparison, TINY, 17, 4, torch.float32)
+    assert [record["variant"] for record in records] == ["broadcast", "ikbo"]
+    for record in records:
+        assert record["suite"] == "model" and record["B"] == 17 and record["U"] == 4
+        assert record["median_ms"] > 0 and record["end_to_end_speedup"] > 0
+    assert records[1]["end_to_end_speedup"] == pytest.approx(comparison.speedup)
+
+
+def test_command_line_writes_records(tmp_path, capsys):
+    path = tmp_path / "model.json"
+    arguments = ["--device", "cpu", "--small", "--B", "48", "--ratio", "8", "--reps", "1"]
+    assert run_module.main([*arguments, "--warmup", "0", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 rewritten, 0 broadcast(s) left" in printed and "rewritten (ikbo)" in printed
+    document = json.loads(path.read_text())
+    assert {"device", "date", "commit", "settings", "records"} <= document.keys()
+    broadcast, ikbo_record = document["records"]
+    assert (broadcast["variant"], ikbo_record["variant"]) == ("broadcast", "ikbo")
+    assert ikbo_record["end_to_end_speedup"] == pytest.approx(
+        broadcast["median_ms"] / ikbo_record["median_ms"]
+    )
+    if broadcast["peak_memory_mib"] is not None:
+        # K and V replicated to 48 candidates alone take 25 MiB at the small widths.
+        assert broadcast["peak_memory_mib"] > ikbo_record["peak_memory_mib"]
