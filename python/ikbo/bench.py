@@ -1,11 +1,12 @@
 """``python -m ikbo.bench``: the published IKBO tables, with PyTorch baselines.
 
-Times ``ikbo.lce`` and ``ikbo.attention`` against what PyTorch code runs for
-the same computation, on the CPU or a CUDA GPU::
+Times ``ikbo.lce``, ``ikbo.attention`` and ``ikbo.linear`` against what
+PyTorch code runs for the same computation, on the CPU or a CUDA GPU::
 
-    python -m ikbo.bench                       # both suites, default shapes for the device
+    python -m ikbo.bench                       # every suite, default shapes for the device
     python -m ikbo.bench lce --json lce.json --plot plots/
     python -m ikbo.bench attention --S 2048,8192 --reps 50
+    python -m ikbo.bench linear --B 1024 --ratio 10,100
     python -m ikbo.bench --help
 
 Suites and variants (each variant's ``timed`` text says what one timed run covers):
@@ -21,10 +22,16 @@ Suites and variants (each variant's ``timed`` text says what one timed run cover
   (``sdpa-cudnn+copy``), SDPA over per-user packed query blocks
   (``packed-cudnn``), and ``ikbo``. The CPU has no cuDNN backend: there the
   copy and packed variants use SDPA's flash backend.
+- ``linear`` -- the first MLP layer of ``examples/ranking_model/model.py``
+  (N_out=512 over the user tower's Ku=256 and the candidate side's Kc=3976,
+  fp16 on a GPU), a batch sweep B in {512, ..., 3072} at ratio 70 and a ratio
+  sweep {2, ..., 1000} at B=1024: ``broadcast``, ``broadcast+copy``,
+  ``decomposed``, ``ikbo``.
 
 On the CPU the defaults are scaled down to finish in well under a minute on
-two cores. ``--B``, ``--ratio`` and ``--S`` lists replace the sweeps and are
-crossed with each other; a list not given takes the suite's reference value.
+two cores (the linear suite in a few seconds). ``--B``, ``--ratio`` and
+``--S`` lists replace the sweeps and are crossed with each other; a list not
+given takes the suite's reference value.
 
 Method: every variant's output is checked against that of the shape's first
 measured variant (relative Frobenius error within a dtype tolerance) before
@@ -43,7 +50,9 @@ max(FLOPs / matmul ceiling, minimum bytes / copy bandwidth) of the IKBO
 useful work, the same for every variant so TFLOP/s compare directly:
 
 - lce: FLOPs = 2*M*N*(B*Kc + U*Ku); bytes = (B*Kc*N + U*Ku*N + M*(Ku+Kc) + B*M*N) * size;
-- attention: FLOPs = 4*B*H*n_seed*D*S; bytes = (2*B*n_seed + 2*U*S) * H*D * size.
+- attention: FLOPs = 4*B*H*n_seed*D*S; bytes = (2*B*n_seed + 2*U*S) * H*D * size;
+- linear: FLOPs = 2*N_out*(B*Kc + U*Ku);
+  bytes = (B*Kc + U*Ku + N_out*(Ku+Kc) + N_out + B*N_out) * size.
 
 Output: tables on stdout (progress on stderr); ``--plot DIR`` draws PNGs with
 matplotlib (skipped, with the reason printed, when it is missing); ``--json
@@ -102,7 +111,7 @@ CHECK_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 4e-2, torch.float32: 1e-
 
 # Seeds of the synthetic inputs, one per tensor, so that every run times the
 # same values.
-_SEED_WEIGHT, _SEED_USER, _SEED_CANDIDATE, _SEED_USER_VALUES = 1, 2, 3, 4
+_SEED_WEIGHT, _SEED_USER, _SEED_CANDIDATE, _SEED_USER_VALUES, _SEED_BIAS = 1, 2, 3, 4, 5
 
 
 # ---------------------------------------------------------------------------
@@ -721,6 +730,138 @@ def attention_variants(device: torch.device) -> tuple[Variant, ...]:
     )
 
 
+# Linear ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    B: int
+    ratio: int
+    N_out: int
+    Ku: int
+    Kc: int
+
+    @property
+    def U(self) -> int:
+        return users_for_ratio(self.B, self.ratio)
+
+    def label(self) -> str:
+        return f"B={self.B} ratio={self.ratio}"
+
+    def fields(self) -> dict:
+        return {
+            "B": self.B,
+            "ratio": self.ratio,
+            "U": self.U,
+            "N_out": self.N_out,
+            "Ku": self.Ku,
+            "Kc": self.Kc,
+        }
+
+    def work(self, element_bytes: int) -> tuple[float, float]:
+        """(FLOPs, minimum bytes) of the IKBO computation: the user rows
+        multiplied once per user; every input read once (weight and bias
+        included), the output written once."""
+        B, U, N_out, Ku, Kc = self.B, self.U, self.N_out, self.Ku, self.Kc
+        flops = 2.0 * N_out * (B * Kc + U * Ku)
+        elements = B * Kc + U * Ku + N_out * (Ku + Kc) + N_out + B * N_out
+        return flops, float(elements * element_bytes)
+
+
+@dataclass
+class LinearWorkload:
+    """One request: torch's ``weight`` ``[N_out, Ku + Kc]`` and ``bias``
+    ``[N_out]`` over the concatenated ``[x_u[u(b)] | x_c[b]]`` features,
+    user columns first."""
+
+    shape: LinearShape
+    weight: torch.Tensor
+    bias: torch.Tensor
+    x_u: torch.Tensor
+    x_c: torch.Tensor
+    cand_to_user: torch.Tensor
+
+    @classmethod
+    def make(cls, shape: LinearShape, device: torch.device, dtype: torch.dtype) -> LinearWorkload:
+        counts = candidate_counts(shape.B, shape.U)
+        k = shape.Ku + shape.Kc
+        scale = 1 / math.sqrt(k)  # nn.Linear's initialization range, fan-in Ku + Kc
+        return cls(
+            shape,
+            _uniform((shape.N_out, k), dtype, device, _SEED_WEIGHT, scale=scale),
+            _uniform((shape.N_out,), dtype, device, _SEED_BIAS, scale=scale),
+            _uniform((shape.U, shape.Ku), dtype, device, _SEED_USER),
+            _uniform((shape.B, shape.Kc), dtype, device, _SEED_CANDIDATE),
+            cand_to_user_for(counts, device),
+        )
+
+    def split_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_u, w_c) as dense matrices of their own."""
+        ku = self.shape.Ku
+        return self.weight[:, :ku].contiguous(), self.weight[:, ku:].contiguous()
+
+
+def _replicate_and_concatenate_features(work: LinearWorkload) -> torch.Tensor:
+    """``[x_u[u(b)] | x_c[b]]`` for every candidate: the standard inference copy."""
+    return torch.cat([work.x_u.index_select(0, work.cand_to_user), work.x_c], dim=-1)
+
+
+def _prepare_linear_broadcast(work: LinearWorkload) -> Prepared:
+    features = _replicate_and_concatenate_features(work)
+    return Prepared(lambda: F.linear(features, work.weight, work.bias))
+
+
+def _prepare_linear_broadcast_copy(work: LinearWorkload) -> Prepared:
+    return Prepared(
+        lambda: F.linear(_replicate_and_concatenate_features(work), work.weight, work.bias)
+    )
+
+
+def _prepare_linear_decomposed(work: LinearWorkload) -> Prepared:
+    w_u, w_c = work.split_weight()
+
+    def run() -> torch.Tensor:
+        # The user part (bias included) at U rows, the candidate part at B,
+        # and a gather-add of the small user result (both partials rounded).
+        out = F.linear(work.x_c, w_c)
+        return out.add_(F.linear(work.x_u, w_u, work.bias).index_select(0, work.cand_to_user))
+
+    return Prepared(run)
+
+
+def _prepare_ikbo_linear(work: LinearWorkload) -> Prepared:
+    stream = _current_stream(work.x_c.device)
+    plan = ikbo.LinearPlan.from_concatenated(work.weight, work.shape.Ku, work.bias, stream)
+    mapping = ikbo.CandidateMap(work.cand_to_user, work.shape.U, stream)
+    return Prepared(lambda: ikbo.linear(plan, work.x_c, work.x_u, mapping))
+
+
+LINEAR_VARIANTS = (
+    Variant(
+        "broadcast",
+        "F.linear over [x_u[u(b)] | x_c[b]], replicated and concatenated beforehand (not timed)",
+        _prepare_linear_broadcast,
+    ),
+    Variant(
+        "broadcast+copy",
+        "index_select of x_u to the candidates + torch.cat + F.linear: what standard "
+        "inference pays",
+        _prepare_linear_broadcast_copy,
+    ),
+    Variant(
+        "decomposed",
+        "user part F.linear(x_u, w_u, bias) at U rows + candidate part F.linear(x_c, w_c) "
+        "at B + gather-add (index_select + add_); weight split once",
+        _prepare_linear_decomposed,
+    ),
+    Variant(
+        "ikbo",
+        "ikbo.linear with a LinearPlan and a CandidateMap prepared beforehand",
+        _prepare_ikbo_linear,
+    ),
+)
+
+
 # ---------------------------------------------------------------------------
 # Suites
 
@@ -739,6 +880,10 @@ class Suite:
 
 def lce_suite() -> Suite:
     return Suite("lce", LCE_VARIANTS, "broadcast", "broadcast+copy", LceWorkload.make)
+
+
+def linear_suite() -> Suite:
+    return Suite("linear", LINEAR_VARIANTS, "broadcast", "broadcast+copy", LinearWorkload.make)
 
 
 def attention_suite(device: torch.device) -> Suite:
@@ -866,7 +1011,7 @@ def run_suite(
 @dataclass(frozen=True)
 class Sweeps:
     """A suite's default shapes on one kind of device: ``B`` at the reference
-    ratio and ``ratio`` at the reference B (lce), or ``S`` at the reference
+    ratio and ``ratio`` at the reference B (lce, linear), or ``S`` at the reference
     B and ratio (attention); ``dims`` are the remaining shape fields."""
 
     reference_b: int
@@ -892,11 +1037,24 @@ LCE_CPU = Sweeps(
     512, 70, dims=(109, 64, 294, 218), b_sweep=(256, 512, 1024), ratio_sweep=(2, 10, 100)
 )
 ATTENTION_CPU = Sweeps(256, 64, dims=(2, 64, 128), s_sweep=(256, 512))
+# The first MLP layer of examples/ranking_model/model.py, dims (N_out, Ku, Kc):
+# N_out is the first MLP width, Ku the user tower's output, Kc the candidate
+# side of the concatenation (candidate features + M projected compressed
+# embeddings + the attention output). SPEC_CONFIG: 512, 256,
+# 256 + 433*8 + 2*128 = 3976; SMALL_CONFIG on the CPU: 256, 64,
+# 64 + 109*4 + 2*64 = 628.
+LINEAR_GPU = Sweeps(
+    1024, 70, dims=(512, 256, 3976), b_sweep=(512, 1024, 2048, 3072), ratio_sweep=(2, 10, 100, 1000)
+)
+LINEAR_CPU = Sweeps(
+    512, 70, dims=(256, 64, 628), b_sweep=(256, 512, 1024), ratio_sweep=(2, 10, 100)
+)
 
 
-def lce_shapes(
+def _b_ratio_pairs(
     sweeps: Sweeps, b_list: Sequence[int] | None, ratio_list: Sequence[int] | None
-) -> list[LceShape]:
+) -> list[tuple[int, int]]:
+    """The default B and ratio sweeps, or the given lists crossed."""
     if b_list is None and ratio_list is None:
         pairs = [(b, sweeps.reference_ratio) for b in sweeps.b_sweep]
         pairs += [(sweeps.reference_b, r) for r in sweeps.ratio_sweep]
@@ -906,7 +1064,20 @@ def lce_shapes(
                 b_list or [sweeps.reference_b], ratio_list or [sweeps.reference_ratio]
             )
         )
-    return [LceShape(b, r, *sweeps.dims) for b, r in dict.fromkeys(pairs)]
+    return list(dict.fromkeys(pairs))
+
+
+def lce_shapes(
+    sweeps: Sweeps, b_list: Sequence[int] | None, ratio_list: Sequence[int] | None
+) -> list[LceShape]:
+    return [LceShape(b, r, *sweeps.dims) for b, r in _b_ratio_pairs(sweeps, b_list, ratio_list)]
+
+
+def linear_shapes(
+    sweeps: Sweeps, b_list: Sequence[int] | None, ratio_list: Sequence[int] | None
+) -> list[LinearShape]:
+    pairs = _b_ratio_pairs(sweeps, b_list, ratio_list)
+    return [LinearShape(b, r, *sweeps.dims) for b, r in pairs]
 
 
 def attention_shapes(
@@ -940,14 +1111,13 @@ def _reference_shape(records: Sequence[dict], keys: Sequence[str], reference: tu
     return reference if reference in shapes else shapes[0]
 
 
-def lce_tables(records: Sequence[dict], suite: Suite, reference: tuple[int, int]) -> str:
-    if not records:
-        return "lce: nothing measured"
+def _b_ratio_sweep_table(records: Sequence[dict], suite: Suite) -> str:
+    """Median ms of every variant at every (B, ratio), with the floor and
+    ikbo's speedup over the timed broadcast copy."""
     keys = ("B", "ratio", "U")
-    grouped = _by_shape(records, keys)
     names = [variant.name for variant in suite.variants]
     sweep_rows = []
-    for shape, by_variant in grouped.items():
+    for shape, by_variant in _by_shape(records, keys).items():
         row = [*shape]
         row += [
             f"{by_variant[name]['median_ms']:.3f}" if name in by_variant else "-" for name in names
@@ -957,19 +1127,23 @@ def lce_tables(records: Sequence[dict], suite: Suite, reference: tuple[int, int]
         speedup = ikbo_record.get("speedup_vs_broadcast_copy")
         row += [f"{any_record['floor_ms']:.3f}", f"{speedup:.2f}x" if speedup else "-"]
         sweep_rows.append(row)
-    first = records[0]
-    dims = f"M={first['M']}, N={first['N']}, Ku={first['Ku']}, Kc={first['Kc']}, {first['dtype']}"
-    sweep = format_table(
+    return format_table(
         [*keys, *(f"{name} ms" for name in names), "floor ms", "ikbo vs +copy"], sweep_rows
     )
 
+
+def _reference_table(
+    records: Sequence[dict], reference: tuple[int, int]
+) -> tuple[tuple[int, int], str]:
+    """((B, ratio), a table of every variant at that shape): ``reference``
+    when it was measured, else the first shape."""
     b, ratio = _reference_shape(records, ("B", "ratio"), reference)
-    staircase_rows = []
+    rows = []
     for record in records:
         if (record["B"], record["ratio"]) != (b, ratio):
             continue
         speedup = record.get("speedup_vs_broadcast")
-        staircase_rows.append(
+        rows.append(
             [
                 record["variant"],
                 f"{record['median_ms']:.3f}",
@@ -978,14 +1152,40 @@ def lce_tables(records: Sequence[dict], suite: Suite, reference: tuple[int, int]
                 f"{record['pct_of_floor']:.0f}%",
             ]
         )
-    staircase = format_table(
-        ["variant", "ms", "vs broadcast", "TFLOP/s", "% of floor"], staircase_rows
-    )
-    legend = "\n".join(f"  {variant.name}: {variant.timed}" for variant in suite.variants)
+    table = format_table(["variant", "ms", "vs broadcast", "TFLOP/s", "% of floor"], rows)
+    return (b, ratio), table
+
+
+def _legend(suite: Suite) -> str:
+    return "\n".join(f"  {variant.name}: {variant.timed}" for variant in suite.variants)
+
+
+def lce_tables(records: Sequence[dict], suite: Suite, reference: tuple[int, int]) -> str:
+    if not records:
+        return "lce: nothing measured"
+    first = records[0]
+    dims = f"M={first['M']}, N={first['N']}, Ku={first['Ku']}, Kc={first['Kc']}, {first['dtype']}"
+    sweep = _b_ratio_sweep_table(records, suite)
+    (b, ratio), staircase = _reference_table(records, reference)
     return (
         f"LCE, {dims} (median ms)\n\n{sweep}\n\n"
         f"LCE staircase at B={b}, ratio {ratio}\n\n{staircase}\n\nWhat each variant times:\n"
-        f"{legend}"
+        f"{_legend(suite)}"
+    )
+
+
+def linear_tables(records: Sequence[dict], suite: Suite, reference: tuple[int, int]) -> str:
+    if not records:
+        return "linear: nothing measured"
+    first = records[0]
+    dims = f"N_out={first['N_out']}, Ku={first['Ku']}, Kc={first['Kc']}, {first['dtype']}"
+    sweep = _b_ratio_sweep_table(records, suite)
+    (b, ratio), variants = _reference_table(records, reference)
+    return (
+        f"Linear, {dims} (median ms)\n\n{sweep}\n\n"
+        f"Linear variants at B={b}, ratio {ratio} "
+        f"(TFLOP/s = 2*N_out*(B*Kc + U*Ku) / median time for every variant)\n\n{variants}\n\n"
+        f"What each variant times:\n{_legend(suite)}"
     )
 
 
@@ -1004,10 +1204,9 @@ def attention_table(records: Sequence[dict], suite: Suite) -> str:
     first = records[0]
     dims = f"H={first['H']}, n_seed={first['n_seed']}, D={first['D']}, {first['dtype']}"
     table = format_table([*keys, *(f"{name} TFLOP/s" for name in names), "ikbo ms"], rows)
-    legend = "\n".join(f"  {variant.name}: {variant.timed}" for variant in suite.variants)
     return (
         f"Attention, {dims} (TFLOP/s = 4*B*H*n_seed*D*S / median time)\n\n{table}\n\n"
-        f"What each variant times:\n{legend}"
+        f"What each variant times:\n{_legend(suite)}"
     )
 
 
@@ -1023,10 +1222,16 @@ def _longest_sweep(records: Sequence[dict], fixed: Sequence[str], varying: str) 
 
 
 def draw_plots(
-    directory: str, lce_records: Sequence[dict], attention_records: Sequence[dict], reference: tuple
+    directory: str,
+    lce_records: Sequence[dict],
+    attention_records: Sequence[dict],
+    reference: tuple,
+    linear_records: Sequence[dict] = (),
+    linear_reference: tuple | None = None,
 ) -> list[str]:
-    """Draws the sweeps and the staircase as PNGs into ``directory``; returns
-    the paths written. Raises ImportError without matplotlib."""
+    """Draws the sweeps, the LCE staircase and the linear variants at
+    ``linear_reference`` (default ``reference``) as PNGs into ``directory``;
+    returns the paths written. Raises ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1064,34 +1269,38 @@ def draw_plots(
         axes.set_ylabel(ylabel)
         save(figure, axes, name, title)
 
-    if lce_records:
+    def b_ratio_plots(records, prefix, title, shape, bar_name, bar_title) -> None:
+        """Batch and ratio sweeps, and a bar per variant at ``shape``."""
         sweep_plot(
-            _longest_sweep(lce_records, ("ratio",), "B"),
+            _longest_sweep(records, ("ratio",), "B"),
             "B",
             "median_ms",
-            "lce_batch_sweep.png",
-            "LCE, batch sweep",
+            f"{prefix}_batch_sweep.png",
+            f"{title}, batch sweep",
             "candidates B",
             "ms (median)",
             log_x=False,
         )
         sweep_plot(
-            _longest_sweep(lce_records, ("B",), "ratio"),
+            _longest_sweep(records, ("B",), "ratio"),
             "ratio",
             "median_ms",
-            "lce_ratio_sweep.png",
-            "LCE, ratio sweep",
+            f"{prefix}_ratio_sweep.png",
+            f"{title}, ratio sweep",
             "candidates per user",
             "ms (median)",
             log_x=True,
         )
-        b, ratio = _reference_shape(lce_records, ("B", "ratio"), reference)
-        staircase = [r for r in lce_records if (r["B"], r["ratio"]) == (b, ratio)]
+        b, ratio = _reference_shape(records, ("B", "ratio"), shape)
+        bars = [r for r in records if (r["B"], r["ratio"]) == (b, ratio)]
         figure, axes = plt.subplots(figsize=(7, 4.5))
-        axes.bar([r["variant"] for r in staircase], [r["median_ms"] for r in staircase])
-        axes.axhline(staircase[0]["floor_ms"], linestyle="--", color="gray", label="roofline floor")
+        axes.bar([r["variant"] for r in bars], [r["median_ms"] for r in bars])
+        axes.axhline(bars[0]["floor_ms"], linestyle="--", color="gray", label="roofline floor")
         axes.set_ylabel("ms (median)")
-        save(figure, axes, "lce_staircase.png", f"LCE staircase, B={b}, ratio {ratio}")
+        save(figure, axes, bar_name, f"{bar_title}, B={b}, ratio {ratio}")
+
+    if lce_records:
+        b_ratio_plots(lce_records, "lce", "LCE", reference, "lce_staircase.png", "LCE staircase")
     if attention_records:
         sweep_plot(
             _longest_sweep(attention_records, ("B", "ratio"), "S"),
@@ -1102,6 +1311,15 @@ def draw_plots(
             "history length S",
             "TFLOP/s",
             log_x=True,
+        )
+    if linear_records:
+        b_ratio_plots(
+            linear_records,
+            "linear",
+            "Linear",
+            linear_reference or reference,
+            "linear_variants.png",
+            "Linear variants",
         )
     return written
 
@@ -1133,10 +1351,12 @@ def _dims(count: int, names: str) -> Callable[[str], tuple[int, ...]]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ikbo.bench",
-        description="Time ikbo's LCE and attention against PyTorch baselines "
+        description="Time ikbo's LCE, attention and linear against PyTorch baselines "
         "(the published IKBO tables).",
     )
-    parser.add_argument("suite", nargs="?", choices=("lce", "attention", "all"), default="all")
+    parser.add_argument(
+        "suite", nargs="?", choices=("lce", "attention", "linear", "all"), default="all"
+    )
     parser.add_argument(
         "--device", help="cuda, cuda:N or cpu (default: cuda when torch and ikbo both have it)"
     )
@@ -1157,6 +1377,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_dims(3, "H,n_seed,D"),
         metavar="H,n_seed,D",
         help="attention dims (default: 2,64,128)",
+    )
+    parser.add_argument(
+        "--linear-dims",
+        type=_dims(3, "N_out,Ku,Kc"),
+        metavar="N_out,Ku,Kc",
+        help="linear dims (default: the example model's first MLP layer, 512,256,3976 on a GPU, "
+        "256,64,628 on the CPU)",
     )
     parser.add_argument("--reps", type=int, help="timed runs per variant (default: 30 GPU, 5 CPU)")
     parser.add_argument("--warmup", type=int, help="untimed runs first (default: 5 GPU, 1 CPU)")
@@ -1188,10 +1415,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=options.warmup if options.warmup is not None else (5 if gpu else 1),
     )
     lce_sweeps, attention_sweeps = (LCE_GPU, ATTENTION_GPU) if gpu else (LCE_CPU, ATTENTION_CPU)
+    linear_sweeps = LINEAR_GPU if gpu else LINEAR_CPU
     if options.lce_dims:
         lce_sweeps = dataclasses.replace(lce_sweeps, dims=options.lce_dims)
     if options.attention_dims:
         attention_sweeps = dataclasses.replace(attention_sweeps, dims=options.attention_dims)
+    if options.linear_dims:
+        linear_sweeps = dataclasses.replace(linear_sweeps, dims=options.linear_dims)
 
     print(f"ikbo {ikbo.__version__}, torch {torch.__version__}, commit {commit()}")
     print(f"device: {device_name(device)} ({_backend_name(device)}), dtype {dtype_name(dtype)}")
@@ -1203,6 +1433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     lce_reference = (lce_sweeps.reference_b, lce_sweeps.reference_ratio)
+    linear_reference = (linear_sweeps.reference_b, linear_sweeps.reference_ratio)
     planned = []
     if options.suite in ("lce", "all"):
         planned.append(
@@ -1218,6 +1449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 attention_suite(device),
                 attention_shapes(attention_sweeps, options.B, options.ratio, options.S),
                 attention_table,
+            )
+        )
+    if options.suite in ("linear", "all"):
+        planned.append(
+            (
+                linear_suite(),
+                linear_shapes(linear_sweeps, options.B, options.ratio),
+                lambda records, suite: linear_tables(records, suite, linear_reference),
             )
         )
     suites = [suite for suite, _, _ in planned]
@@ -1240,6 +1479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.get("lce", SuiteResult()).records,
                 results.get("attention", SuiteResult()).records,
                 lce_reference,
+                results.get("linear", SuiteResult()).records,
+                linear_reference,
             )
         except ImportError as error:
             print(f"plots skipped: matplotlib is not importable ({error})")

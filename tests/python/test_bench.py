@@ -14,10 +14,12 @@ bench = pytest.importorskip("ikbo.bench")
 
 TINY_ARGUMENTS = [
     "--device", "cpu", "--B", "16,24", "--ratio", "4", "--S", "32,48",
-    "--lce-dims", "5,8,6,10", "--attention-dims", "1,4,64", "--reps", "2", "--warmup", "0",
+    "--lce-dims", "5,8,6,10", "--attention-dims", "1,4,64", "--linear-dims", "7,6,10",
+    "--reps", "2", "--warmup", "0",
 ]  # fmt: skip
 LCE_VARIANTS = ["broadcast", "broadcast+copy", "decomposed", "aligned", "ikbo"]
 ATTENTION_VARIANTS = ["sdpa-flash", "sdpa-flash+copy", "packed-flash", "ikbo"]
+LINEAR_VARIANTS = ["broadcast", "broadcast+copy", "decomposed", "ikbo"]
 
 
 def test_all_suites_end_to_end(tmp_path, capsys):
@@ -25,6 +27,7 @@ def test_all_suites_end_to_end(tmp_path, capsys):
     assert bench.main(["all", *TINY_ARGUMENTS, "--json", str(path), "--plot", str(plots)]) == 0
     printed = capsys.readouterr().out
     assert "LCE staircase at B=16, ratio 4" in printed and "Attention, H=1" in printed
+    assert "Linear variants at B=16, ratio 4" in printed
 
     document = json.loads(path.read_text())
     assert {"device", "date", "commit", "backend", "settings", "ceilings", "records"} <= set(
@@ -35,8 +38,10 @@ def test_all_suites_end_to_end(tmp_path, capsys):
     records = document["records"]
     lce = [record for record in records if record["suite"] == "lce"]
     attention = [record for record in records if record["suite"] == "attention"]
+    linear = [record for record in records if record["suite"] == "linear"]
     assert [record["variant"] for record in lce] == LCE_VARIANTS * 2
     assert [record["variant"] for record in attention] == ATTENTION_VARIANTS * 4
+    assert [record["variant"] for record in linear] == LINEAR_VARIANTS * 2
     for record in records:
         assert record["dtype"] == "fp32" and record["ratio"] == 4
         for key in ("median_ms", "tflops", "gbps", "floor_ms", "pct_of_floor"):
@@ -49,7 +54,15 @@ def test_all_suites_end_to_end(tmp_path, capsys):
     assert {(r["B"], r["S"], r["H"], r["n_seed"], r["D"]) for r in attention} == {
         (b, s, 1, 4, 64) for b in (16, 24) for s in (32, 48)
     }
-    for suite, variants in (("lce", LCE_VARIANTS), ("attention", ATTENTION_VARIANTS)):
+    assert {(r["B"], r["U"], r["N_out"], r["Ku"], r["Kc"]) for r in linear} == {
+        (16, 4, 7, 6, 10),
+        (24, 6, 7, 6, 10),
+    }
+    for suite, variants in (
+        ("lce", LCE_VARIANTS),
+        ("attention", ATTENTION_VARIANTS),
+        ("linear", LINEAR_VARIANTS),
+    ):
         assert list(document["settings"]["variants"][suite]) == variants
 
     try:
@@ -58,6 +71,7 @@ def test_all_suites_end_to_end(tmp_path, capsys):
         assert "plots skipped: matplotlib is not importable" in printed
     else:
         expected = {"lce_batch_sweep.png", "lce_staircase.png", "attention_sweep.png"}
+        expected |= {"linear_batch_sweep.png", "linear_variants.png"}
         assert expected <= {path.name for path in plots.iterdir()}
 
 
@@ -65,6 +79,45 @@ def test_single_suite_without_json(capsys):
     assert bench.main(["lce", *TINY_ARGUMENTS]) == 0
     printed = capsys.readouterr().out
     assert "LCE, M=5, N=8, Ku=6, Kc=10, fp32" in printed and "Attention" not in printed
+
+
+def test_linear_suite_end_to_end(tmp_path, capsys):
+    path = tmp_path / "linear.json"
+    arguments = ["linear", *TINY_ARGUMENTS, "--ratio", "1,4,1000", "--json", str(path)]
+    assert bench.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "Linear, N_out=7, Ku=6, Kc=10, fp32" in printed
+    assert "LCE" not in printed and "Attention" not in printed
+
+    document = json.loads(path.read_text())
+    assert document["backend"] == "cpu" and document["not_measured"] == []
+    assert list(document["settings"]["variants"]) == ["linear"]
+    records = document["records"]
+    assert {record["suite"] for record in records} == {"linear"}
+    assert [record["variant"] for record in records] == LINEAR_VARIANTS * 6
+    shapes = {(r["B"], r["ratio"], r["U"]) for r in records}
+    assert shapes == {
+        (b, ratio, bench.users_for_ratio(b, ratio)) for b in (16, 24) for ratio in (1, 4, 1000)
+    }
+    for record in records:
+        assert record["dtype"] == "fp32"
+        assert (record["N_out"], record["Ku"], record["Kc"]) == (7, 6, 10)
+        flops = 2 * 7 * (record["B"] * 10 + record["U"] * 6)
+        assert record["tflops"] == pytest.approx(flops / (record["median_ms"] * 1e9))
+        for key in ("median_ms", "gbps", "floor_ms", "pct_of_floor"):
+            assert record[key] > 0, key
+        assert record["speedup_vs_broadcast"] > 0 and record["speedup_vs_broadcast_copy"] > 0
+
+
+def test_linear_variants_match_torch():
+    shape = bench.LinearShape(B=10, ratio=3, N_out=5, Ku=3, Kc=7)
+    work = bench.LinearWorkload.make(shape, torch.device("cpu"), torch.float32)
+    expected = torch.nn.functional.linear(
+        torch.cat([work.x_u[work.cand_to_user.long()], work.x_c], -1), work.weight, work.bias
+    )
+    for variant in bench.linear_suite().variants:
+        output = variant.prepare(work).run()
+        torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5, msg=variant.name)
 
 
 @pytest.mark.parametrize(
