@@ -29,9 +29,7 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Candidat
   require(heads >= 1, "q dimension 2 (H) must be >= 1, got ", heads);
   require(head_dim == 64 || head_dim == 128, "q dimension 3 (head dim D) must be 64 or 128, got ",
           head_dim);
-  check_dim(q, "q", 0, map.num_candidates(), "num_candidates of the candidate map");
-  require(map.device() == device, "the candidate map must be on ", device_name(device),
-          " like q, got ", device_name(map.device()));
+  detail::check_map(map, q, "q", nullptr, {}, device, "q");
 
   const int head_axis = kv_rank - 2;
   check_dim(k, "k", head_axis, heads, "H of q");

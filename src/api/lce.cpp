@@ -21,10 +21,7 @@ detail::LceArgs check_inputs(const LcePlan& plan, const Tensor& e_c, const Tenso
   check_dim(e_u, "e_u", 1, weights.ku, "Ku of w_u");
   check_dim(e_u, "e_u", 2, e_c.size(2), "N of e_c");
   require(e_c.size(2) >= 1, "e_c dimension 2 (N) must be >= 1, got ", e_c.size(2));
-  check_dim(e_c, "e_c", 0, map.num_candidates(), "num_candidates of the candidate map");
-  check_dim(e_u, "e_u", 0, map.num_users(), "num_users of the candidate map");
-  require(map.device() == weights.device, "the candidate map must be on ",
-          device_name(weights.device), " like the weights, got ", device_name(map.device()));
+  detail::check_map(map, e_c, "e_c", &e_u, "e_u", weights.device, "the weights");
   detail::LceArgs args;
   args.plan = &weights;
   args.n = e_c.size(2);

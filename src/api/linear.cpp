@@ -34,10 +34,7 @@ detail::LinearArgs check_inputs(const LinearPlan& plan, const Tensor& x_c, const
   check_tensor(x_u, "x_u", weights.dtype, weights.device, 2);
   check_dim(x_c, "x_c", 1, weights.kc, "Kc of w_c");
   check_dim(x_u, "x_u", 1, weights.ku, "Ku of w_u");
-  check_dim(x_c, "x_c", 0, map.num_candidates(), "num_candidates of the candidate map");
-  check_dim(x_u, "x_u", 0, map.num_users(), "num_users of the candidate map");
-  require(map.device() == weights.device, "the candidate map must be on ",
-          device_name(weights.device), " like the weights, got ", device_name(map.device()));
+  detail::check_map(map, x_c, "x_c", &x_u, "x_u", weights.device, "the weights");
   detail::LinearArgs args;
   args.plan = &weights;
   args.num_candidates = x_c.size(0);

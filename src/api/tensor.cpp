@@ -120,6 +120,18 @@ void check_workspace(const Workspace& workspace, std::size_t needed, std::string
           workspace.data);
 }
 
+void check_map(const CandidateMap& map, const Tensor& candidates, std::string_view candidates_name,
+               const Tensor* users, std::string_view users_name, Device device,
+               std::string_view device_owner) {
+  check_dim(candidates, candidates_name, 0, map.num_candidates(),
+            "num_candidates of the candidate map");
+  if (users != nullptr) {
+    check_dim(*users, users_name, 0, map.num_users(), "num_users of the candidate map");
+  }
+  require(map.device() == device, "the candidate map must be on ", device_name(device), " like ",
+          device_owner, ", got ", device_name(map.device()));
+}
+
 void check_no_overlap(const Tensor& out, std::string_view out_name, const Tensor& in,
                       std::string_view in_name) {
   if (out.numel() == 0 || in.numel() == 0 || out.device != in.device) return;

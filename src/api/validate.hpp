@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "ikbo/candidate_map.hpp"
 #include "ikbo/error.hpp"
 #include "ikbo/tensor.hpp"
 
@@ -49,6 +50,12 @@ void check_float_dtype(DType dtype, std::string_view name);
 // for every backend's use (cuBLAS wants 256 bytes); `query` names the
 // function that tells the size.
 void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query);
+// Checks that dimension 0 of `candidates` is the map's num_candidates and
+// (when given) of `users` its num_users, and that the map lives on `device`,
+// the device of `device_owner` (e.g. "the weights").
+void check_map(const CandidateMap& map, const Tensor& candidates, std::string_view candidates_name,
+               const Tensor* users, std::string_view users_name, Device device,
+               std::string_view device_owner);
 // Checks that two buffers do not overlap (outputs must not alias inputs).
 void check_no_overlap(const Tensor& out, std::string_view out_name, const Tensor& in,
                       std::string_view in_name);
