@@ -39,7 +39,8 @@ class CandidateMap {
   // any) lives on the tensor's device. A device tensor is read back once.
   static CandidateMap build(const Tensor& cand_to_user, std::int64_t num_users,
                             Stream stream = nullptr);
-  // Every candidate its own user: cand_to_user[b] = b.
+  // Every candidate its own user: cand_to_user[b] = b (num_candidates >= 1,
+  // as every map has at least one user).
   static CandidateMap identity(std::int64_t num_candidates, Device device = Device::cpu(),
                                Stream stream = nullptr);
 
