@@ -27,10 +27,30 @@ Rewritten consumers (weights may be parameters or graph inputs):
   SDPA's ``[B, H, L, D]`` layout is transposed to ikbo's ``[B, L, H, D]`` and
   back, and transposes that cancel are dropped.
 
+Before matching, a broadcast is moved below the ops after it that compute
+each row from the same row alone, ``f(x_u[idx]) == f(x_u)[idx]``, so that
+they run once per user and the broadcast reaches a consumer above: a
+``Linear`` (``nn.Linear``, ``F.linear``, ``mm``/``addmm``/``matmul`` with a
+shared matrix), elementwise activations and casts (``dropout`` only when not
+training), ``softmax``/``layer_norm``/``rms_norm``/reductions over dims other
+than 0, ``batch_norm`` with running statistics, views that keep dim 0 in
+front at the candidate count (``unflatten``, ``view``/``reshape``,
+``transpose``/``permute``, slicing past dim 0, ...), elementwise ops whose
+other operand is shared by all rows (a bias, a scale; or a broadcast by the
+same mapping), and concats of broadcasts. A broadcast with several such
+consumers (K and V projections of one gathered history) is moved down each
+branch; reads of its shape are answered from the per-user tensor. Anything
+else stops it: an op that mixes rows (a reduction over dim 0, batch norm in
+training mode, a matmul with a per-candidate tensor), an op the pass does not
+know, or an in-place write near it. A move is kept only where it lets a
+consumer be rewritten, and the report names the ops moved (or, for a
+broadcast left, where moving it would stop and why).
+
 Every rewrite is checked: the rewritten graph runs on the sample inputs and
 its outputs must match the original's (relative Frobenius error per output
-within a dtype tolerance). A rewrite that fails alone is dropped. The pass
-prints a report of what it rewrote, and which broadcasts it left and why.
+within a dtype tolerance). A rewrite that fails alone is dropped, with the
+moves it needed. The pass prints a report of what it rewrote, and which
+broadcasts it left and why.
 
 Entry points: :func:`optimize` (a module or exported program plus sample
 inputs) and :func:`backend` / :func:`make_backend` for ``torch.compile``.
@@ -39,6 +59,7 @@ inputs) and :func:`backend` / :func:`make_backend` for ``torch.compile``.
 from __future__ import annotations
 
 import copy
+import inspect
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -244,6 +265,15 @@ class _Broadcast:
     user: Node
     mapping: _Mapping
     unit_dim: int | None = None
+    # A broadcast the pass made by moving an original one below per-row ops:
+    # the original broadcasts (by name), and the ops moved above the gather
+    # (descriptions, in order, and node names).
+    origins: tuple[str, ...] = ()
+    moved: tuple[str, ...] = ()
+    moved_names: frozenset[str] = frozenset()
+
+    def origin_names(self) -> tuple[str, ...]:
+        return self.origins or (self.node.name,)
 
 
 def _integer_vector(node: Any) -> bool:
@@ -319,6 +349,1036 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
     if call.kind == "expand" and source_shape[0] == 1 and source_shape[1:] == shape[1:]:
         return _Broadcast(node, source, _Mapping("single", shape[0]))
     return None
+
+
+# ---------------------------------------------------------------------------
+# Sinking: moving a broadcast below the ops that act on each row by itself
+#
+# f(x_u[idx]) == f(x_u)[idx] when row b of f's output is computed from row b
+# of its input alone, with operands shared by every row (a Linear's weight, a
+# bias, a norm's scale): a Linear, an activation, a norm over trailing dims, a
+# view that keeps dim 0. Moving the gather below such ops runs them once per
+# user, and brings the gather down to the interaction layer, where the
+# matchers find it. Only ops in the tables below are moved, each after
+# checks that it cannot mix rows; anything else stops the gather.
+
+_PLAIN_TYPES = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.Size,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.SymInt,
+    torch.SymFloat,
+    torch.SymBool,
+)
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` holds no tensor: constants, and nodes that compute
+    numbers, sizes or dtypes."""
+    if isinstance(value, Node):
+        return _meta(value) is None and value.meta.get("type") in _PLAIN_TYPES
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item) for item in value)
+    if isinstance(value, slice):
+        return all(_is_plain(part) for part in (value.start, value.stop, value.step))
+    return not isinstance(value, torch.Tensor)
+
+
+# What each per-row op is (see _row_op), and its positional parameter names
+# (None: from the Python signature or the ATen schema).
+_ROW_FUNCTIONS: dict[Any, tuple[str, tuple[str, ...] | None]] = {}
+_ROW_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {}
+_GENERIC_PARAMETERS = ("input",)
+
+
+def _row_rule(
+    kind: str,
+    parameters: tuple[str, ...] | None = None,
+    functions: Sequence[Any] = (),
+    methods: str = "",
+    aten: str = "",
+) -> None:
+    """Registers ``functions``, the space-separated tensor ``methods`` and
+    ATen ops (``aten``: "name" or "name.overload") as ops of ``kind``."""
+    for function in functions:
+        _ROW_FUNCTIONS[function] = (kind, parameters)
+    for method in methods.split():
+        _ROW_METHODS[method] = (kind, parameters or _GENERIC_PARAMETERS)
+    for name in aten.split():
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(_aten, packet, None), overload or "default", None)
+        if op is not None:
+            _ROW_FUNCTIONS[op] = (kind, None)
+
+
+def _attributes(owner: Any, names: str) -> list[Any]:
+    return [getattr(owner, name) for name in names.split() if hasattr(owner, name)]
+
+
+_UNARY = (
+    "relu tanh sigmoid exp log neg abs sqrt rsqrt square erf sin cos reciprocal clamp clip clone"
+)
+_ACTIVATIONS = (
+    "relu6 gelu silu mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus"
+)
+# Elementwise, one tensor operand, a new tensor.
+_row_rule(
+    "unary",
+    functions=_attributes(torch, _UNARY)
+    + _attributes(F, f"relu {_ACTIVATIONS} softsign tanh sigmoid logsigmoid"),
+    methods=_UNARY,
+    aten=f"{_UNARY} {_ACTIVATIONS} log_sigmoid _to_copy",
+)
+# Elementwise, one tensor operand; the result may be the input itself.
+_row_rule(
+    "alias",
+    functions=[torch.detach],
+    methods="contiguous detach float half bfloat16 double to type",
+    aten="contiguous detach alias to.dtype to.dtype_layout",
+)
+_row_rule("dropout", functions=[F.dropout], aten="dropout")
+_row_rule("softmax", functions=[F.softmax, F.log_softmax], aten="softmax.int log_softmax.int")
+_row_rule("softmax", aten="_softmax _log_softmax")
+_row_rule(
+    "softmax",
+    ("input", "dim", "dtype"),
+    functions=[torch.softmax, torch.log_softmax],
+    methods="softmax log_softmax",
+)
+_row_rule("normalize", functions=[F.normalize])
+_REDUCTIONS = "sum mean amax amin logsumexp"
+_row_rule(
+    "reduce",
+    ("input", "dim", "keepdim", "dtype"),
+    functions=_attributes(torch, _REDUCTIONS),
+    methods=_REDUCTIONS,
+)
+_row_rule("reduce", aten="sum.dim_IntList mean.dim amax amin logsumexp sum mean")
+_row_rule("layer_norm", functions=[F.layer_norm], aten="layer_norm")
+_row_rule("rms_norm", functions=_attributes(F, "rms_norm"), aten="rms_norm")
+_row_rule("batch_norm", functions=[F.batch_norm], aten="batch_norm")
+_row_rule("linear", ("input", "weight", "bias"), functions=[F.linear], aten="linear")
+_row_rule("mm", ("input", "mat2"), functions=[torch.mm], methods="mm", aten="mm")
+_row_rule(
+    "addmm", ("input", "mat1", "mat2"), functions=[torch.addmm], methods="addmm", aten="addmm"
+)
+_row_rule(
+    "matmul",
+    ("input", "other"),
+    functions=[torch.matmul, operator.matmul],
+    methods="matmul",
+    aten="matmul",
+)
+_row_rule("bmm", ("input", "mat2"), functions=[torch.bmm], methods="bmm", aten="bmm")
+_BINARY = "add sub mul div maximum minimum pow"
+_row_rule(
+    "binary",
+    ("input", "other"),
+    functions=[operator.add, operator.sub, operator.mul, operator.truediv]
+    + _attributes(torch, _BINARY),
+    methods=_BINARY,
+    aten="add.Tensor add.Scalar sub.Tensor sub.Scalar rsub.Tensor rsub.Scalar mul.Tensor "
+    "mul.Scalar div.Tensor div.Scalar div.Tensor_mode maximum minimum pow.Tensor_Tensor "
+    "pow.Tensor_Scalar",
+)
+_row_rule("cat", ("tensors", "dim"), functions=_attributes(torch, "cat concat concatenate"))
+_row_rule("cat", aten="cat")
+_row_rule(
+    "unflatten",
+    ("input", "dim", "sizes"),
+    functions=[torch.unflatten],
+    methods="unflatten",
+    aten="unflatten.int",
+)
+_row_rule(
+    "flatten",
+    ("input", "start_dim", "end_dim"),
+    functions=[torch.flatten],
+    methods="flatten",
+    aten="flatten.using_ints",
+)
+_row_rule("reshape", ("input", "shape"), functions=[torch.reshape], methods="view reshape")
+_row_rule("reshape", aten="view reshape _unsafe_view")
+_row_rule(
+    "transpose",
+    ("input", "dim0", "dim1"),
+    functions=_attributes(torch, "transpose swapaxes swapdims"),
+    methods="transpose swapaxes swapdims",
+    aten="transpose.int",
+)
+_row_rule(
+    "permute", ("input", "dims"), functions=[torch.permute], methods="permute", aten="permute"
+)
+_row_rule(
+    "squeeze",
+    ("input", "dim"),
+    functions=[torch.squeeze],
+    methods="squeeze",
+    aten="squeeze.dim squeeze.dims squeeze",
+)
+_row_rule(
+    "unsqueeze",
+    ("input", "dim"),
+    functions=[torch.unsqueeze],
+    methods="unsqueeze",
+    aten="unsqueeze",
+)
+_row_rule("slice", aten="slice.Tensor")
+_row_rule(
+    "select",
+    ("input", "dim", "index"),
+    functions=[torch.select],
+    methods="select",
+    aten="select.int",
+)
+_row_rule(
+    "narrow",
+    ("input", "dim", "start", "length"),
+    functions=[torch.narrow],
+    methods="narrow",
+    aten="narrow",
+)
+_row_rule("getitem", ("input", "index"), functions=[operator.getitem])
+
+_nn = torch.nn
+_ROW_MODULES: dict[type, str] = {
+    **dict.fromkeys(
+        _attributes(
+            _nn,
+            "ReLU ReLU6 GELU SiLU Tanh Sigmoid LeakyReLU ELU SELU CELU Softplus Softsign Mish "
+            "Hardswish Hardsigmoid Hardtanh LogSigmoid",
+        ),
+        "unary",
+    ),
+    **dict.fromkeys(
+        _attributes(_nn, "Dropout Dropout1d Dropout2d Dropout3d AlphaDropout"), "dropout"
+    ),
+    **dict.fromkeys(_attributes(_nn, "BatchNorm1d BatchNorm2d BatchNorm3d"), "batch_norm"),
+    **dict.fromkeys(_attributes(_nn, "Softmax LogSoftmax"), "softmax"),
+    **dict.fromkeys(_attributes(_nn, "RMSNorm"), "rms_norm"),
+    _nn.Linear: "linear",
+    _nn.Identity: "alias",
+    _nn.LayerNorm: "layer_norm",
+    _nn.Flatten: "flatten",
+    _nn.Unflatten: "unflatten",
+}
+
+# Kinds whose result is a new tensor; the others may share the input's storage.
+_FRESH_KINDS = frozenset(
+    ("unary", "softmax", "normalize", "reduce", "layer_norm", "rms_norm", "batch_norm")
+    + ("linear", "mm", "addmm", "matmul", "bmm", "binary", "cat")
+)
+_IN_PLACE_OPERATORS = frozenset(
+    (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
+    + (operator.ifloordiv, operator.imatmul, operator.ipow)
+)
+
+
+def _bind(node: Node, parameters: tuple[str, ...] | None) -> dict[str, Any]:
+    """A call's arguments by parameter name (an ATen ``self`` is ``input``)."""
+    if parameters is None:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            parameters = tuple(argument.name for argument in target._schema.arguments)
+        else:
+            try:
+                parameters = tuple(inspect.signature(target).parameters)
+            except (TypeError, ValueError):
+                parameters = _GENERIC_PARAMETERS
+    names = [*parameters, *(f"_{i}" for i in range(len(parameters), len(node.args)))]
+    arguments = dict(zip(names, node.args))
+    arguments.update(node.kwargs)
+    if "self" in arguments:
+        arguments["input"] = arguments.pop("self")
+    return arguments
+
+
+def _module_arguments(kind: str, submodule: torch.nn.Module, features: Any) -> dict[str, Any]:
+    """A module call's arguments, as the functional form of ``kind`` names them."""
+    arguments = {"input": features, "inplace": getattr(submodule, "inplace", False)}
+    if kind == "dropout":
+        arguments.update(p=submodule.p, training=submodule.training)
+    elif kind == "softmax":
+        arguments["dim"] = submodule.dim
+    elif kind == "flatten":
+        arguments.update(start_dim=submodule.start_dim, end_dim=submodule.end_dim)
+    elif kind == "unflatten":
+        arguments.update(dim=submodule.dim, sizes=tuple(submodule.unflattened_size))
+    elif kind in ("layer_norm", "rms_norm"):
+        arguments["normalized_shape"] = tuple(submodule.normalized_shape)
+    elif kind == "batch_norm":
+        arguments.update(
+            training=submodule.training,
+            running_mean=submodule.running_mean,
+            running_var=submodule.running_var,
+        )
+    return arguments
+
+
+def _row_call(node: Node, module: torch.nn.Module) -> tuple[str, dict[str, Any]] | None:
+    """(kind, arguments by name) of a node the per-row tables know."""
+    if node.op == "call_module":
+        try:
+            submodule = module.get_submodule(node.target)
+        except AttributeError:
+            return None
+        kind = _ROW_MODULES.get(type(submodule))
+        if kind is None or len(node.args) != 1 or node.kwargs:
+            return None
+        return kind, _module_arguments(kind, submodule, node.args[0])
+    if node.op == "call_method":
+        rule = _ROW_METHODS.get(node.target)
+    elif node.op == "call_function":
+        try:
+            rule = _ROW_FUNCTIONS.get(node.target)
+        except TypeError:  # an unhashable callable
+            rule = None
+    else:
+        rule = None
+    if rule is None:
+        return None
+    kind, parameters = rule
+    return kind, _bind(node, parameters)
+
+
+def _in_place(node: Node, module: torch.nn.Module) -> bool:
+    """Whether ``node`` writes into one of its tensor operands."""
+    if node.op == "call_method":
+        name = node.target
+        return (name.endswith("_") and not name.startswith("_")) or name in (
+            "__setitem__",
+            "__iadd__",
+            "__isub__",
+            "__imul__",
+            "__itruediv__",
+        )
+    if node.op == "call_module":
+        try:
+            return getattr(module.get_submodule(node.target), "inplace", False) is True
+        except AttributeError:
+            return False
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    try:
+        if target in _IN_PLACE_OPERATORS:
+            return True
+    except TypeError:
+        pass
+    name = getattr(target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_"):
+        return True
+    return _bind(node, None).get("inplace") is True or node.kwargs.get("out") is not None
+
+
+def _fresh(node: Node, module: torch.nn.Module) -> bool:
+    """Whether ``node``'s result is known to share no storage with its operands."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return True
+    if _in_place(node, module):
+        return False
+    call = _recognize(node)
+    if call is not None and (
+        call.kind in ("index_select", "index", "repeat_interleave", "sdpa")
+        or (call.kind == "getitem" and _row_index(call) is not None)
+    ):
+        return True
+    if str(node.target).startswith("ikbo."):
+        return True
+    found = _row_call(node, module)
+    return found is not None and found[0] in _FRESH_KINDS
+
+
+def _mutation_hazards(module: torch.fx.GraphModule) -> set[Node]:
+    """Tensor nodes that an in-place op may modify: the operands of in-place
+    ops and everything that may share storage with them (through views, or
+    through ops the pass does not know). Reading their rows at another point
+    of the graph could see other values, so the pass moves no gather across them."""
+    pending: list[Node] = []
+    for node in module.graph.nodes:
+        if _in_place(node, module):
+            pending.append(node)
+            pending.extend(item for item in node.all_input_nodes if _meta(item) is not None)
+    hazards: set[Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in hazards:
+            continue
+        hazards.add(node)
+        if not _fresh(node, module):
+            pending.extend(item for item in node.all_input_nodes if _meta(item) is not None)
+        pending.extend(
+            user for user in node.users if _meta(user) is not None and not _fresh(user, module)
+        )
+    return hazards
+
+
+def _shared_by_rows(operand: Any, rank: int, rows: int) -> str | None:
+    """None when the tensor ``operand``, broadcast against a ``rank``-D operand
+    of ``rows`` rows, is the same for every row; else why not."""
+    shape = _shape(operand)
+    name = _describe(operand)
+    if shape is None:
+        return f"takes an operand {name} that the pass cannot read"
+    if len(shape) > rank:
+        return f"takes an operand {name} that adds leading dims"
+    if len(shape) < rank or (shape[0] == 1 and rows > 1):
+        return None
+    if shape[0] == 1:
+        return (
+            f"takes an operand {name} that may have a row per candidate (the sample request "
+            "has one candidate, so the pass cannot tell)"
+        )
+    return f"takes an operand {name} that has a row per candidate"
+
+
+def _reads_candidate_count(value: Any, rows: int) -> bool:
+    """Whether the size ``value`` is the candidate count: a literal equal to
+    it, or dim 0 of a tensor with ``rows`` rows read from the graph."""
+    if isinstance(value, bool) or not isinstance(value, (int, Node)):
+        return False
+    if isinstance(value, int):
+        return value == rows
+    if value.target is _candidate_rows:
+        return True
+    args = value.args
+    if value.op == "call_function" and value.target is operator.getitem and len(args) == 2:
+        source, index = args
+        if not isinstance(source, Node) or isinstance(index, Node) or index != 0:
+            return False
+        if source.target is _candidate_shape:
+            return True
+        shape_of = (
+            source.op == "call_function"
+            and source.target is getattr
+            and source.args[1:] == ("shape",)
+        )
+        size_of = source.op == "call_method" and source.target == "size" and len(source.args) == 1
+        return (shape_of or size_of) and (_shape(source.args[0]) or (None,))[0] == rows
+    size_call = (value.op == "call_method" and value.target == "size") or (
+        value.target is _aten.sym_size.int
+    )
+    if size_call and len(args) == 2 and not isinstance(args[1], Node) and args[1] == 0:
+        return (_shape(args[0]) or (None,))[0] == rows
+    return False
+
+
+def _getitem_keeps_rows(index: Any, rank: int) -> bool | None:
+    """For ``x[index]`` with x ``rank``-D: True when every row stays whole and
+    in place, False when dim 0 is indexed, None when unsure."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(item is Ellipsis or _is_plain(item) for item in items):
+        return None  # tensor indices
+    if not items:
+        return True
+    first = items[0]
+    if first is Ellipsis:
+        rest = items[1:]
+        if any(item is Ellipsis for item in rest):
+            return None
+        return sum(1 for item in rest if item is not None) < rank
+    return isinstance(first, slice) and first == slice(None)
+
+
+def _reshape_sizes(node: Node, arguments: dict[str, Any]) -> Any:
+    if node.op == "call_method":
+        sizes = node.args[1:] or node.kwargs.get("shape", node.kwargs.get("size"))
+        if isinstance(sizes, tuple) and len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = sizes[0]
+        if isinstance(sizes, tuple) and len(sizes) == 1 and isinstance(sizes[0], Node):
+            sizes = sizes[0]
+        return sizes
+    return arguments.get("shape", arguments.get("size"))
+
+
+@dataclass
+class _RowOp:
+    """A per-row op: ``data`` are its operands read row by row (each a
+    broadcast, all by one mapping); ``rebuild`` makes the per-user node from
+    the per-user operands (None: a copy of the node with them substituted)."""
+
+    data: tuple[Node, ...]
+    rebuild: Callable[[torch.fx.Graph, dict[Node, Node]], Node] | None = None
+
+
+def _row_kind_check(
+    kind: str,
+    node: Node,
+    arguments: dict[str, Any],
+    gathered: Node,
+    broadcasts: dict[Node, _Broadcast],
+) -> _RowOp | str | None:
+    """The kind-specific half of :func:`_row_op`."""
+    x = arguments.get("input")
+    rank = len(_shape(x) or ())
+    out_rank = len(_shape(node))
+    rows = _shape(gathered)[0]
+
+    def others_plain(*data: str) -> bool:
+        return all(_is_plain(value) for name, value in arguments.items() if name not in data)
+
+    def dims(value: Any, ndim: int) -> list[int | None]:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [_normalize_dim(item, ndim) for item in items]
+
+    if kind in ("unary", "alias"):
+        return _RowOp((x,)) if others_plain("input") else None
+    if kind == "dropout":
+        if (
+            arguments.get("training", arguments.get("train", True)) is not False
+            and arguments.get("p", 0.5) != 0
+        ):
+            return "drops values at random per candidate (dropout in training mode)"
+        return _RowOp((x,)) if others_plain("input") else None
+    if kind in ("softmax", "normalize"):
+        dim = arguments.get("dim", 1 if kind == "normalize" else None)
+        if dim is None:
+            return "normalizes over an implicit dim"
+        normalized = _normalize_dim(dim, rank)
+        if normalized == 0:
+            return "normalizes over dim 0, mixing candidates"
+        return _RowOp((x,)) if normalized is not None and others_plain("input") else None
+    if kind == "reduce":
+        dim = arguments.get("dim")
+        if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+            return "reduces over every dim, dim 0 included, mixing candidates"
+        normalized = dims(dim, rank)
+        if 0 in normalized:
+            return "reduces over dim 0, mixing candidates"
+        return _RowOp((x,)) if None not in normalized and others_plain("input") else None
+    if kind in ("layer_norm", "rms_norm"):
+        shape = arguments.get("normalized_shape")
+        shape = (shape,) if isinstance(shape, int) else shape
+        if not isinstance(shape, (list, tuple)):
+            return None
+        if len(shape) >= rank:
+            return "normalizes over dim 0 too, mixing candidates"
+        return _RowOp((x,))
+    if kind == "batch_norm":
+        if (
+            arguments.get("training", False) is not False
+            or arguments.get("running_mean") is None
+            or arguments.get("running_var") is None
+        ):
+            return (
+                "normalizes with statistics over the whole batch (training mode, or no running "
+                "statistics), mixing candidates"
+            )
+        return _RowOp((x,)) if rank >= 2 else None
+    if kind in ("linear", "mm"):
+        if rank < 2:
+            return "contracts over dim 0, mixing candidates"
+        return _RowOp((x,))
+    if kind == "addmm":
+        bias = arguments.get("input")
+        reason = None if _is_plain(bias) else _shared_by_rows(bias, 2, rows)
+        if reason:
+            return reason
+        plain = all(_is_plain(arguments.get(name)) for name in ("beta", "alpha"))
+        return _RowOp((arguments.get("mat1"),)) if plain else None
+    if kind in ("matmul", "bmm"):
+        first = arguments.get("input")
+        second = arguments.get("other", arguments.get("mat2"))
+        ranks = (len(_shape(first) or ()), len(_shape(second) or ()))
+        if first in broadcasts and second in broadcasts and ranks[0] == ranks[1] >= 3:
+            return _RowOp((first, second))
+        if kind == "bmm":
+            other = second if gathered is first else first
+            return f"pairs each candidate with its own matrix from {_describe(other)}"
+        if gathered is first:
+            if ranks[0] < 2:
+                return "contracts over dim 0, mixing candidates"
+            if ranks[1] <= 2:
+                return _RowOp((first,))
+            return _shared_by_rows(second, ranks[0], rows) or _RowOp((first,))
+        if gathered is second:
+            if ranks[1] < 3:
+                return "contracts over dim 0, mixing candidates"
+            if ranks[0] <= 2:
+                return _RowOp((second,))
+            return _shared_by_rows(first, ranks[1], rows) or _RowOp((second,))
+        return None
+    if kind == "binary":
+        data = []
+        for name in ("input", "other", "exponent"):
+            if name not in arguments:
+                continue
+            operand = arguments[name]
+            if isinstance(operand, Node) and operand in broadcasts:
+                if len(_shape(operand)) != out_rank:
+                    return "broadcasts the rows against extra leading dims"
+                data.append(operand)
+            elif not _is_plain(operand):
+                reason = _shared_by_rows(operand, out_rank, rows)
+                if reason:
+                    return reason
+        if not others_plain("input", "other", "exponent"):
+            return None
+        return _RowOp(tuple(data))
+    if kind == "cat":
+        tensors = arguments.get("tensors")
+        if not isinstance(tensors, (list, tuple)):
+            return None
+        (dim,) = dims(arguments.get("dim", 0), out_rank)
+        if dim == 0:
+            return "joins along dim 0"
+        if dim is None:
+            return None
+        if not all(isinstance(item, Node) and item in broadcasts for item in tensors):
+            return None  # candidate operands: the LCE and linear matchers take those
+        return _RowOp(tuple(tensors))
+    if kind == "unflatten":
+        dim = dims(arguments.get("dim"), rank)
+        if dim == [0]:
+            return "splits dim 0"
+        return _RowOp((x,)) if dim != [None] and others_plain("input") else None
+    if kind == "flatten":
+        start = dims(arguments.get("start_dim", 0), rank)
+        if start == [0]:
+            return "flattens dim 0 into the others"
+        return _RowOp((x,)) if start != [None] and others_plain("input") else None
+    if kind == "reshape":
+        sizes = _reshape_sizes(node, arguments)
+        if isinstance(sizes, Node):
+            return f"takes its target shape from {_describe(sizes)} as a whole"
+        if not isinstance(sizes, (list, tuple)) or not sizes or not _is_plain(list(sizes)):
+            return None
+        if any(isinstance(size, (torch.dtype, bool)) for size in sizes):
+            return None
+        leading, tail = sizes[0], tuple(sizes[1:])
+        inferred = [size for size in tail if isinstance(size, int) and size == -1]
+        by_rows = (isinstance(leading, int) and leading == -1 and not inferred) or (
+            _reads_candidate_count(leading, rows)
+        )
+        if not by_rows:
+            return (
+                f"sets dim 0 to {_describe(leading)}, which it does not read as the candidate count"
+            )
+
+        def rebuild(graph: torch.fx.Graph, per_user: dict[Node, Node]) -> Node:
+            return graph.call_function(_reshape_rows, (per_user[x], *tail))
+
+        return _RowOp((x,), rebuild)
+    if kind == "transpose":
+        swapped = dims([arguments.get("dim0"), arguments.get("dim1")], rank)
+        if 0 in swapped:
+            return "moves dim 0"
+        return _RowOp((x,)) if None not in swapped else None
+    if kind == "permute":
+        order = arguments.get("dims")
+        if node.op == "call_method":
+            order = node.args[1:] or node.kwargs.get("dims")
+        if isinstance(order, tuple) and len(order) == 1 and isinstance(order[0], (list, tuple)):
+            order = order[0]
+        if not isinstance(order, (list, tuple)) or not order:
+            return None
+        normalized = dims(order, rank)
+        if normalized[0] != 0:
+            return "moves dim 0"
+        return _RowOp((x,)) if None not in normalized else None
+    if kind == "squeeze":
+        dim = arguments.get("dim")
+        if dim is None:
+            return "squeezes every dim of size 1, which drops dim 0 for a request with one user"
+        normalized = dims(dim, rank)
+        if 0 in normalized:
+            return "squeezes dim 0"
+        return _RowOp((x,)) if None not in normalized else None
+    if kind == "unsqueeze":
+        (dim,) = dims(arguments.get("dim"), rank + 1)
+        if dim == 0:
+            return "inserts a dim before dim 0"
+        return _RowOp((x,)) if dim is not None else None
+    if kind in ("slice", "select", "narrow"):
+        (dim,) = dims(arguments.get("dim", 0), rank)
+        if dim is None or not others_plain("input"):
+            return None
+        if dim != 0:
+            return _RowOp((x,))
+        whole = (
+            kind == "slice"
+            and arguments.get("start") in (None, 0)
+            and arguments.get("step", 1) in (None, 1)
+            and (arguments.get("end") is None or _is_huge(arguments.get("end")))
+        )
+        return _RowOp((x,)) if whole else f"{'slices' if kind == 'slice' else 'indexes'} dim 0"
+    if kind == "getitem":
+        keeps = _getitem_keeps_rows(arguments.get("index"), rank)
+        if keeps is False:
+            return "indexes dim 0"
+        return _RowOp((x,)) if keeps else None
+    return None
+
+
+def _is_huge(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 2**62
+
+
+def _row_op(
+    node: Node,
+    gathered: Node,
+    module: torch.nn.Module,
+    broadcasts: dict[Node, _Broadcast],
+    hazards: set[Node],
+) -> _RowOp | str | None:
+    """How ``node``, a user of the broadcast ``gathered``, computes each row
+    of its output from the same row of its broadcast operands: a
+    :class:`_RowOp` when it can run on the per-user rows before the gather;
+    a reason when it cannot (it mixes rows, or the pass cannot show that it
+    does not); None for an op the pass does not know."""
+    found = _row_call(node, module)
+    out = _shape(node)
+    if found is None or not out:
+        return None
+    kind, arguments = found
+    if _in_place(node, module) or arguments.get("inplace") is True:
+        return "works in place"
+    if arguments.get("out") is not None:
+        return "writes into an out= tensor"
+    result = _row_kind_check(kind, node, arguments, gathered, broadcasts)
+    if not isinstance(result, _RowOp):
+        return result
+    if gathered not in result.data:
+        return "reads the gathered tensor as a whole, not row by row"
+    sources = [broadcasts.get(item) for item in result.data]
+    if not all(sources):
+        return None
+    if len({source.mapping for source in sources}) != 1:
+        return "takes operands gathered by different mappings"
+    if len({_shape(source.user)[0] for source in sources}) != 1:
+        return "takes operands gathered from different numbers of users"
+    if out[0] != _shape(gathered)[0]:
+        return "changes dim 0"
+    for source in sources:
+        for item in (source.node, source.user):
+            if item in hazards:
+                return f"reads {item.name}, which an in-place op may modify"
+    if node in hazards:
+        return "has a result that an in-place op may modify"
+    return result
+
+
+def _candidate_rows(per_user: torch.Tensor, kind: str, source: Any) -> int:
+    """The candidate count of a broadcast of ``per_user`` by a mapping of
+    ``kind`` (see :class:`_Mapping`) from ``source``."""
+    if kind == "index":
+        return source.shape[0]
+    if kind == "counts":
+        return int(source.sum())
+    if kind == "uniform":
+        return per_user.shape[0] * source
+    return source
+
+
+def _candidate_shape(per_user: torch.Tensor, rows: int) -> torch.Size:
+    """The shape of ``per_user`` broadcast to ``rows`` candidates."""
+    return torch.Size((rows, *per_user.shape[1:]))
+
+
+def _reshape_rows(rows: torch.Tensor, *sizes: Any) -> torch.Tensor:
+    """Reshapes each row of ``rows`` by itself to ``sizes``."""
+    return rows.reshape(rows.shape[0], *sizes)
+
+
+def _metadata_read(node: Node, tensor: Node) -> str | None:
+    """What ``node`` reads of ``tensor`` without its values: "shape", "rows"
+    (the dim-0 size), "same" (dtype, device, rank, another dim's size: what
+    the per-user tensor has too), or None when it reads more."""
+    args = node.args
+    if not args or args[0] is not tensor or tensor in args[1:] or tensor in node.kwargs.values():
+        return None
+    rank = len(_shape(tensor) or ())
+
+    def whole_shape() -> str:
+        # Only sizes past dim 0 read from it: those the per-user tensor shares.
+        later = [
+            user.target is operator.getitem
+            and len(user.args) == 2
+            and isinstance(user.args[1], int)
+            and _normalize_dim(user.args[1], rank) not in (None, 0)
+            for user in node.users
+        ]
+        return "same" if later and all(later) else "shape"
+
+    if node.op == "call_function" and node.target is getattr and len(args) == 2:
+        if args[1] == "shape":
+            return whole_shape()
+        return "same" if args[1] in ("dtype", "device", "ndim", "layout", "is_cuda") else None
+    if node.op == "call_method" and node.target == "size":
+        dim = args[1] if len(args) > 1 else node.kwargs.get("dim")
+        if dim is None:
+            return whole_shape()
+    elif node.target is _aten.sym_size.int and len(args) == 2:
+        dim = args[1]
+    elif node.op == "call_method" and node.target in ("dim", "ndimension", "get_device"):
+        return "same" if len(args) == 1 and not node.kwargs else None
+    elif isinstance(node.target, torch._ops.OpOverload) and (
+        node.target.name() == "aten::_assert_tensor_metadata"
+    ):
+        bound = _bind(node, None)
+        return "same" if bound.get("size") is None and bound.get("stride") is None else None
+    else:
+        return None
+    dim = _normalize_dim(dim, rank)
+    if dim is None:
+        return None
+    return "rows" if dim == 0 else "same"
+
+
+def _dense(meta: TensorMetadata, rows: int) -> TensorMetadata:
+    """``meta`` with ``rows`` rows, for a new row-major tensor."""
+    shape = torch.Size((rows, *meta.shape[1:]))
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return meta._replace(shape=shape, stride=tuple(reversed(stride)))
+
+
+def _describe_op(node: Node, module: torch.nn.Module) -> str:
+    """A node as the report names a moved op: a module call with its class."""
+    if node.op == "call_module":
+        return f"{node.name} ({type(module.get_submodule(node.target)).__name__})"
+    return _describe(node)
+
+
+def _read_through_by_attention(node: Node, gathered: Node) -> bool:
+    """Whether ``node`` swaps heads and tokens of ``gathered`` only for SDPA
+    to read as K or V: the attention matcher reads through that swap, so the
+    gather need not move below it."""
+    if _swaps_heads_and_tokens(node) is not gathered or not node.users:
+        return False
+    for user in node.users:
+        call = _recognize(user)
+        if call is None or call.kind != "sdpa" or node is call.get("query"):
+            return False
+        if node not in (call.get("key"), call.get("value")):
+            return False
+    return True
+
+
+class _Sinker:
+    """Moves the broadcasts of one graph below the per-row ops after them
+    (those named in ``allowed``; all when None), keeping ``broadcasts`` (the
+    original ones and those made by moving) up to date."""
+
+    def __init__(self, module: torch.fx.GraphModule, allowed: frozenset[str] | None) -> None:
+        self.module = module
+        self.graph = module.graph
+        self.allowed = allowed
+        self.broadcasts = {
+            node: found for node in self.graph.nodes if (found := _find_broadcast(node)) is not None
+        }
+        self.hazards = _mutation_hazards(module)
+        self.created: list[Node] = []
+        self.squeezed: dict[Node, Node] = {}
+        self.moved_from: set[Node] = set()
+
+    def run(self) -> None:
+        if self.allowed is not None and not self.allowed:
+            return
+        changed = True
+        while changed:
+            changed = False
+            for node in list(self.graph.nodes):
+                if node not in self.broadcasts:
+                    continue
+                for user in list(node.users):
+                    if user not in node.users or _metadata_read(user, node):
+                        continue
+                    if self.allowed is not None and user.name not in self.allowed:
+                        continue
+                    if _read_through_by_attention(user, node):
+                        continue
+                    op = _row_op(user, node, self.module, self.broadcasts, self.hazards)
+                    if isinstance(op, _RowOp):
+                        self.move(user, op)
+                        changed = True
+                if node in self.moved_from:
+                    self.rewrite_metadata_reads(node)
+                    if not node.users:
+                        self.erase(node)
+
+    def per_user(self, broadcast: _Broadcast) -> Node:
+        """The per-user tensor ``[U, ...]`` of ``broadcast``."""
+        if broadcast.unit_dim is None:
+            return broadcast.user
+        user = broadcast.user
+        if user not in self.squeezed:
+            call = _row_call(user, self.module)
+            if (
+                call is not None
+                and call[0] == "unsqueeze"
+                and _normalize_dim(call[1].get("dim"), len(_shape(user))) == broadcast.unit_dim
+            ):
+                self.squeezed[user] = call[1]["input"]
+            else:
+                with self.graph.inserting_after(user):
+                    node = self.graph.call_function(torch.select, (user, broadcast.unit_dim, 0))
+                node.meta["tensor_meta"] = _dense(
+                    _meta(user)._replace(
+                        shape=torch.Size(
+                            size
+                            for dim, size in enumerate(_shape(user))
+                            if dim != broadcast.unit_dim
+                        )
+                    ),
+                    _shape(user)[0],
+                )
+                self.created.append(node)
+                self.squeezed[user] = node
+        return self.squeezed[user]
+
+    def rows_source(self, broadcast: _Broadcast) -> Any:
+        """What :func:`_candidate_rows` needs of ``broadcast``'s mapping."""
+        if broadcast.mapping.kind != "single":
+            return broadcast.mapping.source
+        node = broadcast.node  # an expand of a one-row tensor
+        sizes = node.args[1:] if node.op == "call_method" else node.args[1:2]
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = sizes[0]
+        sizes = sizes or node.kwargs.get("size") or ()
+        leading = sizes[0] if sizes else -1
+        return broadcast.mapping.source if isinstance(leading, int) and leading < 0 else leading
+
+    def regather(self, broadcast: _Broadcast, per_user: Node, rank: int) -> Node:
+        """``per_user`` broadcast to the candidates as ``broadcast`` is."""
+        mapping = broadcast.mapping
+        if mapping.kind == "index":
+            kind = _kind(broadcast.node)
+            if kind == "index":
+                return self.graph.call_function(_aten.index.Tensor, (per_user, [mapping.source]))
+            if kind == "getitem":
+                return self.graph.call_function(operator.getitem, (per_user, mapping.source))
+            return self.graph.call_function(torch.index_select, (per_user, 0, mapping.source))
+        if mapping.kind in ("counts", "uniform"):
+            return self.graph.call_function(
+                torch.repeat_interleave, (per_user, mapping.source), {"dim": 0}
+            )
+        sizes = (self.rows_source(broadcast), *([-1] * (rank - 1)))
+        return self.graph.call_method("expand", (per_user, *sizes))
+
+    def move(self, consumer: Node, op: _RowOp) -> None:
+        """Runs ``consumer`` on the per-user rows and gathers its result."""
+        sources = [self.broadcasts[item] for item in dict.fromkeys(op.data)]
+        first = sources[0]
+        description = _describe_op(consumer, self.module)
+        out = _meta(consumer)
+        with self.graph.inserting_before(consumer):
+            per_user = {item: self.per_user(self.broadcasts[item]) for item in op.data}
+            if op.rebuild is not None:
+                node = op.rebuild(self.graph, per_user)
+            else:
+                node = self.graph.node_copy(consumer, lambda item: per_user.get(item, item))
+            node.meta = {"tensor_meta": _dense(out, _shape(per_user[op.data[0]])[0])}
+            gather = self.regather(first, node, len(out.shape))
+            gather.meta = {"tensor_meta": _dense(out, out.shape[0])}
+        self.created += [node, gather]
+        consumer.replace_all_uses_with(gather)
+        if consumer in self.hazards:
+            self.hazards.add(gather)
+        name = consumer.name
+        inputs = consumer.all_input_nodes
+        self.graph.erase_node(consumer)
+        for item in inputs:  # sizes that only the moved op read
+            self.erase_dead_reads(item)
+        self.broadcasts[gather] = _Broadcast(
+            gather,
+            node,
+            first.mapping,
+            origins=tuple(dict.fromkeys(o for source in sources for o in source.origin_names())),
+            moved=(*dict.fromkeys(m for source in sources for m in source.moved), description),
+            moved_names=frozenset({name}).union(*(source.moved_names for source in sources)),
+        )
+        self.moved_from.update(op.data)
+
+    def rewrite_metadata_reads(self, gathered: Node) -> None:
+        """Reads of ``gathered``'s shape, dtype, ... from the per-user tensor
+        instead, so that the gather is not kept for them."""
+        broadcast = self.broadcasts[gathered]
+        for reader in list(gathered.users):
+            what = _metadata_read(reader, gathered)
+            if what is None:
+                continue
+            per_user = self.per_user(broadcast)
+            if what == "same":
+                reader.replace_input_with(gathered, per_user)
+                continue
+            with self.graph.inserting_before(reader):
+                replacement = self.graph.call_function(
+                    _candidate_rows,
+                    (per_user, broadcast.mapping.kind, self.rows_source(broadcast)),
+                )
+                replacement.meta["type"] = int
+                self.created.append(replacement)
+                if what == "shape":
+                    replacement = self.graph.call_function(
+                        _candidate_shape, (per_user, replacement)
+                    )
+                    replacement.meta["type"] = torch.Size
+                    self.created.append(replacement)
+            reader.replace_all_uses_with(replacement)
+            self.graph.erase_node(reader)
+
+    def erase_dead_reads(self, node: Node) -> None:
+        """Deletes ``node`` if it is an unused read of sizes (and so on up)."""
+        reads = (operator.getitem, getattr, _candidate_rows, _candidate_shape, _aten.sym_size.int)
+        if (
+            node.users
+            or _meta(node) is not None
+            or node.meta.get("type") not in _PLAIN_TYPES
+            or not (
+                (node.op == "call_function" and node.target in reads)
+                or (node.op == "call_method" and node.target == "size")
+            )
+        ):
+            return
+        inputs = node.all_input_nodes
+        self.graph.erase_node(node)
+        for item in inputs:
+            self.erase_dead_reads(item)
+
+    def erasable(self, node: Node) -> bool:
+        """Whether the pass may delete ``node`` once unused: a gather, a view,
+        or a per-row op without side effects."""
+        if _kind(node) in _PURE_KINDS:
+            return True
+        found = _row_call(node, self.module)
+        return found is not None and found[0] != "batch_norm" and not _in_place(node, self.module)
+
+    def erase(self, gathered: Node) -> None:
+        """Deletes the unused broadcast ``gathered`` and the pure nodes only it used."""
+        pending = [gathered]
+        while pending:
+            node = pending.pop()
+            if node._erased or node.users or node.op not in ("call_function", "call_method"):
+                continue
+            if node is not gathered and not self.erasable(node):
+                continue
+            inputs = node.all_input_nodes
+            self.graph.erase_node(node)
+            self.broadcasts.pop(node, None)
+            pending.extend(inputs)
+
+
+def _sink_gathers(
+    module: torch.fx.GraphModule, allowed: frozenset[str] | None
+) -> tuple[dict[Node, _Broadcast], list[Node]]:
+    """Moves ``module``'s broadcasts below the per-row ops named in
+    ``allowed`` (all it can when None), in place. Returns every broadcast of
+    the result, and the nodes the moving made."""
+    sinker = _Sinker(module, allowed)
+    sinker.run()
+    return sinker.broadcasts, sinker.created
 
 
 # ---------------------------------------------------------------------------
@@ -717,6 +1777,8 @@ class Rewritten:
     broadcasts: list[str]
     mapping: str
     detail: str
+    # Ops moved above the gather to reach the consumer, now run once per user.
+    moved: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -737,6 +1799,8 @@ class RewriteReport:
     rewritten: list[Rewritten] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     max_error: float = 0.0
+    # Why no gather was moved, when moving them failed on this graph.
+    warnings: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [
@@ -751,44 +1815,160 @@ class RewriteReport:
                 f"(max relative error {self.max_error:.2e})"
             )
         for item in self.rewritten:
+            moved = (
+                f"; moved above the gather (now run once per user): {', '.join(item.moved)}"
+                if item.moved
+                else ""
+            )
             lines.append(
                 f"  rewrote {item.node} -> {item.op}: broadcast {', '.join(item.broadcasts)} "
-                f"({item.mapping}); {item.detail}"
+                f"({item.mapping}); {item.detail}{moved}"
             )
         for item in self.left:
             lines.append(f"  left {item.node}: {item.reason}")
+        for warning in self.warnings:
+            lines.append(f"  note: {warning}")
         return "\n".join(lines)
 
 
+# Why a broadcast's consumer cannot be rewritten: (that consumer, the message).
+_Reasons = dict[Node, list[tuple[Node, str]]]
+
+
 def _find_matches(
-    module: torch.fx.GraphModule,
-) -> tuple[dict[Node, _Broadcast], list[_Match], dict[Node, list[str]]]:
-    """Every broadcast, the consumers that can be rewritten, and for each
-    broadcast the reasons its other consumers cannot."""
-    broadcasts: dict[Node, _Broadcast] = {}
-    for node in module.graph.nodes:
-        found = _find_broadcast(node)
-        if found is not None:
-            broadcasts[node] = found
+    module: torch.fx.GraphModule, broadcasts: dict[Node, _Broadcast] | None = None
+) -> tuple[dict[Node, _Broadcast], list[_Match], _Reasons]:
+    """Every broadcast (``broadcasts``, or those found in the graph), the
+    consumers that can be rewritten, and for each broadcast the reasons its
+    other consumers cannot."""
+    if broadcasts is None:
+        broadcasts = {
+            node: found
+            for node in module.graph.nodes
+            if (found := _find_broadcast(node)) is not None
+        }
+    reasons: _Reasons = {}
+    # A broadcast that an in-place op may modify is not what its user tensor
+    # says it is: leave those to be computed as written.
+    hazards = _mutation_hazards(module)
+    matchable = {}
+    for node, broadcast in broadcasts.items():
+        modified = [item for item in (node, broadcast.user) if item in hazards]
+        if modified:
+            message = f"{modified[0].name} may be modified by an in-place op"
+            reasons.setdefault(node, []).append((node, message))
+        else:
+            matchable[node] = broadcast
     matchers = (
-        lambda node: _match_lce(node, broadcasts),
-        lambda node: _match_linear(node, broadcasts, module),
-        lambda node: _match_attention(node, broadcasts),
+        lambda node: _match_lce(node, matchable),
+        lambda node: _match_linear(node, matchable, module),
+        lambda node: _match_attention(node, matchable),
     )
     matches: list[_Match] = []
-    reasons: dict[Node, list[str]] = {}
     for node in module.graph.nodes:
         for matcher in matchers:
             try:
                 match = matcher(node)
             except _Skip as skip:
                 for item in skip.broadcasts:
-                    reasons.setdefault(item.node, []).append(f"{_describe(node)}: {skip}")
+                    reasons.setdefault(item.node, []).append((node, f"{_describe(node)}: {skip}"))
                 break
             if match is not None:
                 matches.append(match)
                 break
     return broadcasts, matches, reasons
+
+
+def _stop_notes(
+    module: torch.fx.GraphModule,
+    broadcasts: dict[Node, _Broadcast],
+    matches: Sequence[_Match],
+    reasons: _Reasons,
+    trial: bool,
+) -> dict[Node, list[str]]:
+    """For each broadcast, where its gather stops and why: at each user that
+    is neither rewritten nor moved above it, and that provably mixes rows.
+    ``trial``: the gathers were moved as far as they go to see where that
+    leads, not to keep; tell that as what moving them would do."""
+    hazards = _mutation_hazards(module)
+    taken: dict[Node, set[Node]] = {}
+    for match in matches:
+        for item in match.broadcasts:
+            taken.setdefault(item.node, set()).add(match.consumer)
+    notes: dict[Node, list[str]] = {}
+    for node, broadcast in broadcasts.items():
+        consumers = taken.get(node, set())
+        skipped = reasons.get(node, [])
+        moving = f"moving it below {', '.join(broadcast.moved)} would bring it to"
+        found = []
+        for user in node.users:
+            # The matchers look through a concat or a transpose to the consumer.
+            if _metadata_read(user, node) or {user, *user.users} & consumers:
+                continue
+            messages = [message for consumer, message in skipped if consumer in (user, *user.users)]
+            verdict = _row_op(user, node, module, broadcasts, hazards)
+            if trial and broadcast.moved:
+                if messages:
+                    found += [f"{moving} {message}" for message in messages]
+                else:
+                    which = verdict if isinstance(verdict, str) else "ikbo does not rewrite"
+                    found.append(f"{moving} {_describe(user)}, which {which}")
+            elif isinstance(verdict, str) and not messages:
+                found.append(f"the gather cannot move below {_describe(user)}, which {verdict}")
+        if found:
+            notes[node] = found
+    return notes
+
+
+@dataclass
+class _Planned:
+    """A consumer that is rewritable once gathers are moved: the ops to move
+    (node names), and the original broadcasts it takes."""
+
+    consumer: str
+    op: str
+    needs: frozenset[str]
+    origins: tuple[str, ...]
+
+
+@dataclass
+class _Plan:
+    """What moving every gather as far as it goes makes rewritable (by
+    consumer name), and for each original broadcast (by name) where its
+    moved gathers stop and why."""
+
+    matches: dict[str, _Planned]
+    notes: dict[str, list[str]]
+    failure: str | None = None
+
+
+def _plan(module: torch.fx.GraphModule) -> _Plan:
+    """Moves every gather of a copy of ``module`` as far as it goes and finds
+    the matches there, to learn which moves each rewrite needs."""
+    trial = torch.fx.GraphModule(module, copy.deepcopy(module.graph))
+    try:
+        broadcasts, _ = _sink_gathers(trial, None)
+        trial.graph.lint()
+        broadcasts, matches, reasons = _find_matches(trial, broadcasts)
+        stops = _stop_notes(trial, broadcasts, matches, reasons, True)
+    except Exception as error:  # noqa: BLE001 -- a graph the mover cannot handle: match as is
+        return _Plan(
+            {}, {}, f"no gather was moved: moving them failed ({type(error).__name__}: {error})"
+        )
+    planned = {
+        match.consumer.name: _Planned(
+            _describe(match.consumer),
+            match.op,
+            frozenset().union(*(item.moved_names for item in match.broadcasts)),
+            tuple(dict.fromkeys(o for item in match.broadcasts for o in item.origin_names())),
+        )
+        for match in matches
+    }
+    notes: dict[str, list[str]] = {}
+    for node, found in stops.items():
+        for origin in broadcasts[node].origin_names():
+            notes.setdefault(origin, []).extend(found)
+    return _Plan(planned, notes)
 
 
 def _erase_unused(graph: torch.fx.Graph, consumer: Node) -> None:
@@ -815,16 +1995,22 @@ class _Applied:
     broadcasts: dict[Node, _Broadcast]
     candidates: list[_Match]
     matches: list[_Match]
-    reasons: dict[Node, list[str]]
+    reasons: _Reasons
 
 
-def _rewrite(module: torch.fx.GraphModule, selected: set[str] | None) -> _Applied:
+def _rewrite(module: torch.fx.GraphModule, plan: _Plan, selected: set[str] | None) -> _Applied:
     """A copy of ``module`` (sharing its parameters) with the matches whose
-    consumer is named in ``selected`` (all when None) replaced by ikbo ops.
-    Node names survive the copy, so matches found on the original name the
-    same consumers here."""
+    consumer is named in ``selected`` (all when None) replaced by ikbo ops,
+    after moving the gathers below the per-row ops that those matches need
+    moved (and no others). Node names survive the copy, so matches found on
+    the original name the same consumers here."""
     result = torch.fx.GraphModule(module, copy.deepcopy(module.graph))
-    broadcasts, matches, reasons = _find_matches(result)
+    names = plan.matches if selected is None else selected
+    allowed = frozenset().union(
+        *(plan.matches[name].needs for name in names if name in plan.matches)
+    )
+    broadcasts, created = _sink_gathers(result, allowed)
+    broadcasts, matches, reasons = _find_matches(result, broadcasts)
     chosen = [m for m in matches if selected is None or m.consumer.name in selected]
     graph = result.graph
     context = _Context(graph)
@@ -835,6 +2021,10 @@ def _rewrite(module: torch.fx.GraphModule, selected: set[str] | None) -> _Applie
             replacement = match.build(context)
         match.consumer.replace_all_uses_with(replacement)
         _erase_unused(graph, match.consumer)
+    # Per-user nodes the ikbo ops made redundant (a transpose they undo).
+    for node in reversed(created):
+        if not node._erased and not node.users:
+            graph.erase_node(node)
     graph.lint()
     result.recompile()
     return _Applied(result, broadcasts, matches, chosen, reasons)
@@ -909,16 +2099,91 @@ def _as_graph_module(
         return torch.export.export(module, tuple(sample_inputs)).module(), "torch.export"
 
 
-def _left_reason(node: Node, broadcast: _Broadcast, reasons: list[str] | None) -> str | None:
+def _left_reason(
+    node: Node, broadcast: _Broadcast, reasons: Sequence[str], notes: Sequence[str]
+) -> str | None:
     if reasons:
-        return "; ".join(dict.fromkeys(reasons))
-    if broadcast.mapping.kind == "single":
+        text = "; ".join(dict.fromkeys(reasons))
+    elif broadcast.mapping.kind == "single":
         return None  # an expand is a free view until something above reads it per candidate
-    users = ", ".join(_describe(user) for user in node.users)
+    else:
+        users = ", ".join(_describe(user) for user in node.users)
+        text = (
+            f"used by {users or 'nothing'}, which ikbo does not rewrite (it takes an LCE "
+            "bmm/matmul or a linear over a concat with candidate tensors, or SDPA K/V)"
+        )
+    return "; ".join([text, *(note for note in dict.fromkeys(notes) if note not in text)])
+
+
+def _describe_broadcast(node: Node, broadcast: _Broadcast) -> str:
+    if not broadcast.moved:
+        return _describe(node)
     return (
-        f"used by {users or 'nothing'}, which ikbo does not rewrite (it takes an LCE bmm/matmul "
-        "or a linear over a concat with candidate tensors, or SDPA K/V)"
+        f"{node.name} (the gather of {', '.join(broadcast.origin_names())}, moved below "
+        f"{', '.join(broadcast.moved)})"
     )
+
+
+def _report(
+    tracer: str,
+    max_error: float,
+    applied: _Applied,
+    plan: _Plan,
+    failures: dict[str, str],
+) -> RewriteReport:
+    report = RewriteReport(tracer, max_error=max_error)
+    if plan.failure:
+        report.warnings.append(plan.failure)
+    for match in applied.matches:
+        report.rewritten.append(
+            Rewritten(
+                match.consumer.name,
+                match.op,
+                list(dict.fromkeys(o for item in match.broadcasts for o in item.origin_names())),
+                match.broadcasts[0].mapping.describe(),
+                match.detail,
+                list(dict.fromkeys(m for item in match.broadcasts for m in item.moved)),
+            )
+        )
+
+    # Rewrites dropped by the check, by the original broadcasts they take.
+    planned = {
+        match.consumer.name: _Planned(
+            _describe(match.consumer),
+            match.op,
+            frozenset(),
+            tuple(dict.fromkeys(o for item in match.broadcasts for o in item.origin_names())),
+        )
+        for match in applied.candidates
+    }
+    planned.update(plan.matches)
+    dropped: dict[str, list[str]] = {}
+    for name, failure in failures.items():
+        if name in planned:
+            entry = planned[name]
+            for origin in entry.origins:
+                dropped.setdefault(origin, []).append(
+                    f"rewriting {entry.consumer} as {entry.op} was dropped: {failure}"
+                )
+
+    survivors = {
+        node: broadcast for node, broadcast in applied.broadcasts.items() if not node._erased
+    }
+    notes = _stop_notes(applied.module, survivors, (), applied.reasons, False)
+    names = {node.name for node in survivors}
+    for node, broadcast in survivors.items():
+        reasons = [message for _, message in applied.reasons.get(node, [])]
+        extra = list(notes.get(node, []))
+        if not broadcast.moved:
+            extra += plan.notes.get(node.name, [])
+        for origin in broadcast.origin_names():
+            # A dropped rewrite is told at its original broadcast, where that is left.
+            if origin in dropped and (not broadcast.moved or origin not in names):
+                reasons += dropped[origin]
+        reason = _left_reason(node, broadcast, reasons, extra)
+        if reason:
+            report.left.append(Left(_describe_broadcast(node, broadcast), reason))
+    return report
 
 
 def optimize(
@@ -945,7 +2210,8 @@ def optimize(
     Returns:
         A ``torch.fx.GraphModule`` sharing ``module``'s parameters, with
         ``ikbo_report`` (a :class:`RewriteReport`) attached. Rewrites that do
-        not reproduce the original outputs are not applied.
+        not reproduce the original outputs are not applied, nor are the
+        gather moves that only they needed.
     """
     tolerance = {**DEFAULT_TOLERANCE, **(tolerance or {})}
     traced, tracer = _as_graph_module(module, sample_inputs)
@@ -957,8 +2223,9 @@ def optimize(
         ShapeProp(graph_module).propagate(*sample_inputs)
         expected = graph_module(*sample_inputs)
 
+    plan = _plan(graph_module)
     failures: dict[str, str] = {}
-    applied = _rewrite(graph_module, None)
+    applied = _rewrite(graph_module, plan, None)
     max_error = 0.0
     if applied.matches:
         try:
@@ -969,44 +2236,20 @@ def optimize(
             for match in applied.matches:
                 name = match.consumer.name
                 try:
-                    _verify(_rewrite(graph_module, {name}), sample_inputs, expected, tolerance)
+                    single = _rewrite(graph_module, plan, {name})
+                    _verify(single, sample_inputs, expected, tolerance)
                     passing.add(name)
                 except _Mismatch as mismatch:
                     failures[name] = str(mismatch)
-            applied = _rewrite(graph_module, passing)
+            applied = _rewrite(graph_module, plan, passing)
             try:
                 max_error = _verify(applied, sample_inputs, expected, tolerance)
             except _Mismatch as mismatch:
                 for name in passing:
                     failures[name] = f"applied together with the others: {mismatch}"
-                applied = _rewrite(graph_module, set())
+                applied = _rewrite(graph_module, plan, set())
 
-    report = RewriteReport(tracer, max_error=max_error)
-    for match in applied.matches:
-        report.rewritten.append(
-            Rewritten(
-                match.consumer.name,
-                match.op,
-                list(dict.fromkeys(item.node.name for item in match.broadcasts)),
-                match.broadcasts[0].mapping.describe(),
-                match.detail,
-            )
-        )
-    reasons = {node.name: list(found) for node, found in applied.reasons.items()}
-    for match in applied.candidates:
-        if match.consumer.name in failures:
-            for item in match.broadcasts:
-                reasons.setdefault(item.node.name, []).append(
-                    f"rewriting {_describe(match.consumer)} as {match.op} was dropped: "
-                    f"{failures[match.consumer.name]}"
-                )
-    remaining = {node.name: node for node in applied.module.graph.nodes}
-    for node, broadcast in applied.broadcasts.items():
-        survivor = remaining.get(node.name)
-        reason = survivor and _left_reason(survivor, broadcast, reasons.get(node.name))
-        if reason:
-            report.left.append(Left(_describe(survivor), reason))
-
+    report = _report(tracer, max_error, applied, plan, failures)
     result = applied.module
     result.ikbo_report = report
     if verbose:

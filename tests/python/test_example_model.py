@@ -15,6 +15,7 @@ torch = pytest.importorskip(
 )
 rewrite = pytest.importorskip("ikbo.rewrite")
 bench = pytest.importorskip("ikbo.bench")
+F = torch.nn.functional
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ranking_model"
 sys.path.insert(0, str(EXAMPLE))
@@ -81,6 +82,78 @@ def test_rewrite_replaces_every_broadcast(dtype, capsys):
             expected, actual = model(*request), rewritten(*request)
         assert actual.shape == expected.shape == (num_candidates,)
         torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+class GatherFirstModel(model_module.RankingModel):
+    """The example model with its user-side layers written after the
+    replication, as recsys code often is: the history is replicated to the
+    candidates and projected to K and V per candidate, and the user tower runs
+    per candidate. Same parameters, same scores."""
+
+    def forward(
+        self,
+        user_features,
+        user_embeddings,
+        user_history,
+        candidate_features,
+        candidate_embeddings,
+        cand_to_user,
+    ):
+        heads, head_dim = self.config.heads, self.config.head_dim
+        user_repr = self.user_tower(user_features[cand_to_user])  # [B, user_tower_dim]
+        history = user_history[cand_to_user]  # [B, S, N]
+        keys = self.key(history).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+        values = self.value(history).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+
+        stacked = torch.cat([user_embeddings[cand_to_user], candidate_embeddings], dim=1)
+        compressed = torch.matmul(self.compression, stacked)
+        seeds = compressed[:, : self.config.seed_tokens]
+        queries = self.query(seeds).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(queries, keys, values)
+        attention_summary = self.attention_norm(attended.mean(dim=2).flatten(1))
+        features = torch.cat(
+            [
+                user_repr,
+                candidate_features,
+                self.compressed_projection(compressed).flatten(1),
+                attention_summary,
+            ],
+            dim=-1,
+        )
+        return self.mlp(features).squeeze(-1)
+
+
+def test_gather_first_model_gets_the_same_rewrites(capsys):
+    original = tiny_model(torch.float32)
+    model = GatherFirstModel(TINY).eval()
+    model.load_state_dict(original.state_dict())
+    inputs = run_module.make_request(TINY, 11, 4, torch.float32, CPU)
+    with torch.no_grad():
+        rewritten = rewrite.optimize(model, inputs)
+    report = rewritten.ikbo_report
+    assert report.left == []
+    moved = {item.op: item.moved for item in report.rewritten}
+    assert sorted(moved) == ["ikbo::attention", "ikbo::lce", "ikbo::linear"]
+    assert moved["ikbo::attention"] == [
+        "key (Linear)",
+        "unflatten",
+        "value (Linear)",
+        "unflatten_1",
+    ]
+    assert moved["ikbo::linear"] == ["user_tower_0 (Linear)", "user_tower_1 (ReLU)"]
+    assert moved["ikbo::lce"] == []
+    # The model as written, K/V projected per user: nothing to move.
+    plain = rewrite.optimize(original, inputs, verbose=False).ikbo_report
+    assert [item.moved for item in plain.rewritten] == [[], [], []]
+    assert broadcasts_of(rewritten) == []
+    assert "3 rewritten, 0 broadcast(s) left" in capsys.readouterr().out
+    for num_candidates, ratio, seed in ((11, 4, 1), (23, 3, 2)):
+        request = run_module.make_request(
+            TINY, num_candidates, ratio, torch.float32, CPU, seed=seed
+        )
+        with torch.no_grad():
+            expected, actual = original(*request), rewritten(*request)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_unsorted_mapping():

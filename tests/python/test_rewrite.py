@@ -291,3 +291,394 @@ def test_backend_hands_the_result_to_another_compiler():
     model, inputs = RankingModel().eval(), tuple(request().values())
     compiled = torch.compile(model, backend=rewrite.make_backend("aot_eager", verbose=False))
     assert_same_outputs(compiled, model, inputs)
+
+
+# ---------------------------------------------------------------------------
+# Gathers moved below per-row ops: the user tensor is replicated first, then
+# goes through per-row layers (projections, activations, norms, views) before
+# the interaction; the pass runs those layers once per user instead.
+
+HEADS, HEAD_DIM, ITEM_DIM, HISTORY = 2, 64, 16, 12
+
+
+def history_request(seed=0, counts=COUNTS):
+    """A request for target attention onto each user's history [U, S, E]."""
+    generator = torch.Generator().manual_seed(seed)
+    num_candidates = sum(counts)
+    return (
+        torch.randn(num_candidates, HEADS, 4, HEAD_DIM, generator=generator),  # q [B, H, L, D]
+        torch.randn(len(counts), HISTORY, ITEM_DIM, generator=generator),
+        torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)),
+    )
+
+
+class ProjectedHistory(torch.nn.Module):
+    """Target attention written gather-first: the history is replicated to
+    the candidates, normed, and projected to K and V per candidate (one
+    gathered tensor feeding two branches; V's view reads sizes off the
+    gathered tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.norm = torch.nn.LayerNorm(ITEM_DIM)
+        self.key = torch.nn.Linear(ITEM_DIM, HEADS * HEAD_DIM)
+        self.value = torch.nn.Linear(ITEM_DIM, HEADS * HEAD_DIM)
+
+    def forward(self, q, history, cand_to_user):
+        h = self.norm(history[cand_to_user])  # [B, S, E]
+        k = self.key(h).unflatten(-1, (HEADS, HEAD_DIM)).transpose(1, 2)
+        v = self.value(h)
+        v = v.view(v.shape[0], v.shape[1], HEADS, HEAD_DIM).permute(0, 2, 1, 3)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def assert_matches(rewritten, model, inputs, tolerance=1e-5):
+    """One output tensor, as the original model gives it."""
+    with torch.no_grad():
+        torch.testing.assert_close(
+            rewritten(*inputs), model(*inputs), rtol=tolerance, atol=tolerance
+        )
+
+
+def traced_or_exported(model, inputs, graph):
+    return model if graph == "symbolic_trace" else torch.export.export(model, inputs)
+
+
+def gathers_by(module, index_name="cand_to_user"):
+    """Nodes that gather rows by the mapping input."""
+    mapping = next(node for node in module.graph.nodes if node.name == index_name)
+    kinds = ("getitem", "index_select", "aten.index.Tensor", "aten.index_select.default")
+
+    def name(target):
+        return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+    return [
+        user for user in mapping.users if str(user.target) in kinds or name(user.target) in kinds
+    ]
+
+
+@pytest.mark.parametrize("graph", ["symbolic_trace", "torch.export"])
+def test_gather_moved_below_key_value_projections(graph, capsys):
+    model, inputs = ProjectedHistory().eval(), history_request()
+    rewritten = rewrite.optimize(traced_or_exported(model, inputs, graph), inputs)
+    report = rewritten.ikbo_report
+    assert report.tracer == graph and not report.left and report.max_error < 1e-5
+    (item,) = report.rewritten
+    assert item.op == "ikbo::attention" and item.mapping == "cand_to_user = cand_to_user"
+    assert item.broadcasts == (["getitem"] if graph == "symbolic_trace" else ["index"])
+    if graph == "symbolic_trace":
+        # The heads/tokens swaps stay: the attention matcher reads through them.
+        assert item.moved == [
+            "norm (LayerNorm)",
+            "key (Linear)",
+            "unflatten",
+            "value (Linear)",
+            "view",
+        ]
+        printed = capsys.readouterr().out
+        assert "moved above the gather (now run once per user): norm (LayerNorm), key" in printed
+    else:
+        kinds = [text.split(" (")[1].rstrip(")") for text in item.moved]
+        assert kinds == [
+            "aten.layer_norm.default",
+            "aten.linear.default",
+            "aten.unflatten.int",
+            "aten.linear.default",
+            "aten.view.default",
+        ]
+    assert ikbo_ops(rewritten) == ["ikbo.attention.default"]
+    # No replicated history left: the norm and both projections run on [U, S, E].
+    assert not gathers_by(rewritten)
+    (attention,) = [n for n in rewritten.graph.nodes if str(n.target) == "ikbo.attention.default"]
+    for operand in attention.args[1:3]:
+        assert operand.meta["tensor_meta"].shape == (NUM_USERS, HISTORY, HEADS, HEAD_DIM)
+    # A new request: other counts where the graph is symbolic, the same
+    # shapes with a shuffled mapping where export fixed them.
+    if graph == "symbolic_trace":
+        other = history_request(seed=1, counts=(1, 5, 3, 2))
+    else:
+        q, history, cand_to_user = history_request(seed=1)
+        other = (q, history, cand_to_user[torch.randperm(NUM_CANDIDATES)])
+    assert_matches(rewritten, model, other)
+
+
+def replicate(x_u, counts, num_candidates, spelling):
+    """x_u [U, F] replicated to the candidates in one of the recognized spellings."""
+    if spelling == "index_select":
+        return x_u.index_select(0, torch.repeat_interleave(counts))
+    if spelling == "getitem":
+        return x_u[torch.repeat_interleave(counts)]
+    if spelling == "repeat_interleave_counts":
+        return torch.repeat_interleave(x_u, counts, dim=0)
+    if spelling == "repeat_interleave_int":
+        return x_u.repeat_interleave(num_candidates // x_u.shape[0], dim=0)
+    if spelling == "unsqueeze_expand_reshape":
+        ratio = num_candidates // x_u.shape[0]
+        return x_u.unsqueeze(1).expand(-1, ratio, -1).reshape(num_candidates, -1)
+    return x_u[:1].expand(num_candidates, -1)  # one user
+
+
+class TowerAfterGather(torch.nn.Module):
+    """A user tower applied per candidate: gather -> Linear -> ReLU -> Dropout
+    (eval) -> scale and shift by parameters -> cat with candidate features ->
+    Linear."""
+
+    def __init__(self, spelling="index_select"):
+        super().__init__()
+        torch.manual_seed(8)
+        self.spelling = spelling
+        self.tower = torch.nn.Linear(4, 6)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.scale = torch.nn.Parameter(torch.randn(6))
+        self.head = torch.nn.Linear(6 + 3, 5)
+
+    def forward(self, x_u, x_c, counts):
+        gathered = replicate(x_u, counts, x_c.shape[0], self.spelling)
+        h = self.dropout(torch.relu(self.tower(gathered))) * self.scale + 1.0
+        return self.head(torch.cat([h, x_c], dim=-1))
+
+
+@pytest.mark.parametrize("graph", ["symbolic_trace", "torch.export"])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "index_select",
+        "getitem",
+        "repeat_interleave_counts",
+        "repeat_interleave_int",
+        "unsqueeze_expand_reshape",
+        "expand_one_user",
+    ],
+)
+def test_gather_moved_below_user_tower(spelling, graph):
+    counts = (3, 3, 3)
+    inputs = request(counts=counts)
+    arguments = (inputs["x_u"], inputs["x_c"], torch.tensor(counts))
+    model = TowerAfterGather(spelling).eval()
+    rewritten = rewrite.optimize(
+        traced_or_exported(model, arguments, graph), arguments, verbose=False
+    )
+    report = rewritten.ikbo_report
+    assert ikbo_ops(rewritten) == ["ikbo.linear.default"], report
+    assert not report.left and report.max_error < 1e-5
+    (item,) = report.rewritten
+    assert "Ku=6 user / Kc=3 candidate" in item.detail
+    if graph == "symbolic_trace":
+        assert item.moved == ["tower (Linear)", "relu", "dropout (Dropout)", "mul", "add"]
+    else:
+        moved = [text.split(" (")[0] for text in item.moved]
+        assert moved == ["linear", "relu", "dropout", "mul", "add"]
+    # The tower runs on the U user rows, and ikbo::linear takes its output.
+    (linear,) = [n for n in rewritten.graph.nodes if str(n.target) == "ikbo.linear.default"]
+    assert linear.args[3].meta["tensor_meta"].shape[0] == (
+        1 if spelling == "expand_one_user" else 3
+    )
+    other = request(seed=5, counts=counts)
+    other = (other["x_u"], other["x_c"], torch.tensor(counts))
+    assert_matches(rewritten, model, other)
+
+
+class RowMixing(torch.nn.Module):
+    """A user tower whose gathered output meets an op that mixes rows (or
+    pairs them with per-candidate data) before the interaction."""
+
+    def __init__(self, variant):
+        super().__init__()
+        torch.manual_seed(9)
+        self.variant = variant
+        self.tower = torch.nn.Linear(4, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.head = torch.nn.Linear(6 + 3, 5)
+
+    def forward(self, x_u, x_c, w_c, cand_to_user):
+        h = self.tower(x_u[cand_to_user])
+        if self.variant == "softmax_over_candidates":
+            h = torch.softmax(h, dim=0)
+        elif self.variant == "batchnorm_training":
+            h = self.norm(h)
+        elif self.variant == "matmul_per_candidate":
+            h = torch.matmul(h.unsqueeze(1), w_c).squeeze(1)  # w_c [B, 6, 6]
+        elif self.variant == "scale_per_candidate":
+            h = h * w_c[:, 0]  # [B, 6]
+        return self.head(torch.cat([h, x_c], dim=-1))
+
+
+@pytest.mark.parametrize("graph", ["symbolic_trace", "torch.export"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "softmax_over_candidates",
+        "batchnorm_training",
+        "matmul_per_candidate",
+        "scale_per_candidate",
+    ],
+)
+def test_ops_mixing_rows_stop_the_gather(variant, graph):
+    inputs = request()
+    w_c = torch.randn(NUM_CANDIDATES, 6, 6, generator=torch.Generator().manual_seed(3))
+    arguments = (inputs["x_u"], inputs["x_c"], w_c, inputs["cand_to_user"])
+    model = RowMixing(variant).eval()
+    model.norm.train(variant == "batchnorm_training")
+    rewritten = rewrite.optimize(
+        traced_or_exported(model, arguments, graph), arguments, verbose=False
+    )
+    report = rewritten.ikbo_report
+    assert not report.rewritten and not ikbo_ops(rewritten)
+    (left,) = report.left
+    # Nothing was moved: the gather is still where the model put it.
+    assert left.node.split(" ")[0] in ("getitem", "index") and "moved below" not in left.node
+    why = {
+        "softmax_over_candidates": "normalizes over dim 0, mixing candidates",
+        "batchnorm_training": "normalizes with statistics over the whole batch",
+        "matmul_per_candidate": "takes an operand w_c that has a row per candidate",
+        "scale_per_candidate": "that has a row per candidate",  # w_c[:, 0], named per graph
+    }[variant]
+    assert "would bring it to" in left.reason and why in left.reason, left.reason
+    assert_matches(rewritten, model, arguments)
+
+
+class SumOverCandidates(torch.nn.Module):
+    """The gathered tower output is centred by its sum over dim 0: the
+    subtraction acts per row (the sum is one shared vector) and is moved, the
+    sum mixes candidates and is not."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(10)
+        self.tower = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6 + 3, 5)
+
+    def forward(self, x_u, x_c, cand_to_user):
+        h = self.tower(x_u[cand_to_user])
+        h = h - h.sum(0)
+        return self.head(torch.cat([h, x_c], dim=-1))
+
+
+@pytest.mark.parametrize("graph", ["symbolic_trace", "torch.export"])
+def test_sum_over_candidates_is_not_moved(graph, capsys):
+    inputs = request()
+    arguments = (inputs["x_u"], inputs["x_c"], inputs["cand_to_user"])
+    model = SumOverCandidates().eval()
+    rewritten = rewrite.optimize(traced_or_exported(model, arguments, graph), arguments)
+    report = rewritten.ikbo_report
+    (item,) = report.rewritten
+    assert item.op == "ikbo::linear"
+    assert [text.split(" (")[0] for text in item.moved] == [
+        "tower" if graph == "symbolic_trace" else "linear",
+        "sub",
+    ]
+    # The sum still reads the tower output gathered to the candidates.
+    (left,) = report.left
+    assert "moved below" in left.node and "the gather of" in left.node
+    assert "the gather cannot move below sum_1" in left.reason
+    assert "reduces over dim 0, mixing candidates" in left.reason
+    printed = capsys.readouterr().out
+    assert "1 rewritten, 1 broadcast(s) left" in printed
+    assert_matches(rewritten, model, arguments)
+
+
+class InPlaceAfterTower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.tower = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6 + 3, 5)
+
+    def forward(self, x_u, x_c, cand_to_user):
+        h = self.tower(x_u[cand_to_user])
+        h.relu_()
+        return self.head(torch.cat([h, x_c], dim=-1))
+
+
+def test_no_move_across_in_place_writes():
+    inputs = request()
+    arguments = (inputs["x_u"], inputs["x_c"], inputs["cand_to_user"])
+    model = InPlaceAfterTower().eval()
+    rewritten = rewrite.optimize(model, arguments, verbose=False)
+    report = rewritten.ikbo_report
+    assert not report.rewritten
+    (left,) = report.left
+    assert "cannot move below tower, which has a result that an in-place op may modify" in (
+        left.reason
+    )
+    assert_matches(rewritten, model, arguments)
+
+
+def test_moved_gathers_under_torch_compile(capsys):
+    model, inputs = ProjectedHistory().eval(), history_request()
+    compiled = torch.compile(model, backend=rewrite.backend, fullgraph=True)
+    with torch.no_grad():
+        outputs = compiled(*inputs)
+    printed = capsys.readouterr().out
+    assert "1 rewritten, 0 broadcast(s) left" in printed and "moved above the gather" in printed
+    torch.testing.assert_close(outputs, model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class NormedEmbeddingsAndResidual(torch.nn.Module):
+    """LCE over user embeddings normed and scaled per candidate, and a linear
+    over a residual user tower (both operands of the add are gathered)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(12)
+        self.norm = torch.nn.LayerNorm(N)
+        self.compression = torch.nn.Parameter(torch.randn(M, KU + KC) / 4)
+        self.tower = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4 + 3, 6)
+
+    def forward(self, e_u, e_c, x_u, x_c, cand_to_user):
+        embeddings = self.norm(e_u[cand_to_user]) * 0.5
+        compressed = torch.matmul(self.compression, torch.cat([embeddings, e_c], dim=1))
+        h = x_u.index_select(0, cand_to_user)
+        h = h + self.tower(h)
+        return compressed, self.head(torch.cat([h, x_c], dim=-1))
+
+
+@pytest.mark.parametrize("graph", ["symbolic_trace", "torch.export"])
+def test_gather_moved_for_lce_and_below_a_residual(graph):
+    inputs = request()
+    arguments = tuple(inputs[name] for name in ("e_u", "e_c", "x_u", "x_c", "cand_to_user"))
+    model = NormedEmbeddingsAndResidual().eval()
+    rewritten = rewrite.optimize(
+        traced_or_exported(model, arguments, graph), arguments, verbose=False
+    )
+    report = rewritten.ikbo_report
+    assert ikbo_ops(rewritten) == ["ikbo.lce.default", "ikbo.linear.default"]
+    assert not report.left and not gathers_by(rewritten)
+    moved = {item.op: [text.split(" (")[0] for text in item.moved] for item in report.rewritten}
+    assert moved["ikbo::lce"] == ["norm" if graph == "symbolic_trace" else "layer_norm", "mul"]
+    assert moved["ikbo::linear"] == ["tower" if graph == "symbolic_trace" else "linear", "add"]
+    with torch.no_grad():
+        for got, want in zip(rewritten(*arguments), model(*arguments)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropped_rewrite_keeps_its_ops_below_the_gather():
+    """x[idx] takes idx = -1 as the last user, ikbo refuses it: the rewrite
+    fails the check, and the tower it moved goes back below the gather."""
+    counts = (3, 3, 3)
+    inputs = request(counts=counts)
+    arguments = (inputs["x_u"], inputs["x_c"], torch.tensor(counts))
+    model = TowerAfterGather("getitem").eval()
+
+    class NegativeMapping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x_u, x_c, counts):
+            idx = torch.repeat_interleave(counts) - x_u.shape[0]
+            h = torch.relu(self.inner.tower(x_u[idx])) * self.inner.scale + 1.0
+            return self.inner.head(torch.cat([h, x_c], dim=-1))
+
+    negative = NegativeMapping().eval()
+    rewritten = rewrite.optimize(negative, arguments, verbose=False)
+    report = rewritten.ikbo_report
+    assert not report.rewritten and not ikbo_ops(rewritten)
+    (left,) = report.left
+    assert "rewriting inner_head (inner.head) as ikbo::linear was dropped" in left.reason
+    assert "the rewritten graph raised ValueError" in left.reason
+    (tower,) = [node for node in rewritten.graph.nodes if node.target == "inner.tower"]
+    assert tower.args[0].name == left.node  # still on the candidate rows
+    assert_matches(rewritten, negative, arguments)
