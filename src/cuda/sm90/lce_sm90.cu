@@ -121,7 +121,10 @@ struct LceSm90Params {
   int n;
   int user_k_steps, candidate_k_steps;
   int n_blocks, m_blocks;  // n_blocks even
-  int num_user_units, num_units;
+  int num_user_units;
+  // This launch walks units [first_unit, first_unit + num_units) of the
+  // whole walk (user units, then candidate units).
+  int first_unit, num_units;
 };
 
 template <typename Element>
@@ -168,7 +171,8 @@ struct LceSm90Kernel {
   // Unit -> tile: user units first, then candidate units, each walking
   // (batch item, N block pair, M block); the CTA of rank r takes the pair's
   // N block 2 * pair + r.
-  __device__ static Tile tile_at(const Params& params, int unit, int rank) {
+  __device__ static Tile tile_at(const Params& params, int launch_unit, int rank) {
+    const int unit = params.first_unit + launch_unit;
     Tile tile;
     tile.user = unit < params.num_user_units;
     const int index = tile.user ? unit : unit - params.num_user_units;
@@ -185,8 +189,9 @@ struct LceSm90Kernel {
   }
 
   __device__ static int num_units(const Params& params) { return params.num_units; }
-  __device__ static int num_k_steps(const Params& params, int unit) {
-    return unit < params.num_user_units ? params.user_k_steps : params.candidate_k_steps;
+  __device__ static int num_k_steps(const Params& params, int launch_unit) {
+    return params.first_unit + launch_unit < params.num_user_units ? params.user_k_steps
+                                                                   : params.candidate_k_steps;
   }
 
   __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
@@ -491,7 +496,8 @@ CUtensorMap output_map(void* out, std::int64_t n, std::int64_t m, std::int64_t b
 }
 
 template <typename Element>
-void run_lce_sm90(const LceArgs& args, int max_clusters, cudaStream_t stream) {
+void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_clusters,
+                  cudaStream_t stream) {
   using Kernel = LceSm90Kernel<Element>;
   const LcePlan::State& plan = *args.plan;
   const TileGrid grid = tile_grid(plan.m, args.n);
@@ -515,15 +521,26 @@ void run_lce_sm90(const LceArgs& args, int max_clusters, cudaStream_t stream) {
   params.n_blocks = static_cast<int>(grid.n_blocks);
   params.m_blocks = static_cast<int>(grid.m_blocks);
   params.num_user_units = static_cast<int>(args.num_users * grid.units_per_item());
-  params.num_units =
-      params.num_user_units + static_cast<int>(args.num_candidates * grid.units_per_item());
+  const int num_candidate_units = static_cast<int>(args.num_candidates * grid.units_per_item());
 
   IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
-  cudaLaunchAttribute cluster_shape{};
-  const cudaLaunchConfig_t config =
-      launch_config<Kernel>(std::min(params.num_units, max_clusters), stream, cluster_shape);
-  check_cuda(cudaLaunchKernelEx(&config, lce_sm90_kernel<Kernel>, params),
-             "cudaLaunchKernelEx(lce_sm90_kernel)");
+  const auto launch = [&](int first_unit, int num_units) {
+    if (num_units == 0) return;
+    params.first_unit = first_unit;
+    params.num_units = num_units;
+    cudaLaunchAttribute cluster_shape{};
+    const cudaLaunchConfig_t config =
+        launch_config<Kernel>(std::min(num_units, max_clusters), stream, cluster_shape);
+    check_cuda(cudaLaunchKernelEx(&config, lce_sm90_kernel<Kernel>, params),
+               "cudaLaunchKernelEx(lce_sm90_kernel)");
+  };
+  if (schedule == LceSm90Schedule::one_launch) {
+    launch(0, params.num_user_units + num_candidate_units);
+  } else {
+    // The candidate launch finds every flag set by the user launch before it.
+    launch(0, params.num_user_units);
+    launch(params.num_user_units, num_candidate_units);
+  }
 }
 
 bool aligned_16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
@@ -564,7 +581,7 @@ bool lce_sm90_eligible(const LceArgs& args) {
          lce_sm90_supported(plan, args.n, args.num_candidates, args.num_users);
 }
 
-void lce_sm90(const LceArgs& args) {
+void lce_sm90(const LceArgs& args, LceSm90Schedule schedule) {
   const LcePlan::State& plan = *args.plan;
   DeviceGuard guard(plan.device.index);
   const int max_clusters = device_support(plan.device.index).clusters;
@@ -574,7 +591,7 @@ void lce_sm90(const LceArgs& args) {
     if constexpr (std::is_same_v<Element, float>) {
       throw RuntimeError("lce_sm90: no Hopper kernel for float32 (lce_sm90_eligible is false)");
     } else {
-      run_lce_sm90<Element>(args, max_clusters, stream);
+      run_lce_sm90<Element>(args, schedule, max_clusters, stream);
     }
   });
 }

@@ -35,8 +35,18 @@ std::size_t lce_sm90_workspace_bytes(const LcePlan::State& plan, std::int64_t n,
 // aligned, and the workspace is large enough.
 bool lce_sm90_eligible(const LceArgs& args);
 
+// How the user tiles are scheduled:
+//   one_launch         user and candidate tiles in one persistent launch, the
+//                      candidate epilogues waiting on per-tile ready flags
+//                      (the default path);
+//   user_launch_first  the user tiles in a launch of their own, then the
+//                      candidate GEMM with the user add in its epilogue (the
+//                      "fused" stage of the published staircase, kept for
+//                      the benchmark).
+enum class LceSm90Schedule { one_launch, user_launch_first };
+
 // Runs lce on the Hopper path; `args` must be eligible.
-void lce_sm90(const LceArgs& args);
+void lce_sm90(const LceArgs& args, LceSm90Schedule schedule = LceSm90Schedule::one_launch);
 
 // The path is enabled unless the environment has IKBO_DISABLE_SM90 set to
 // anything but "" or "0" (read once, at the first query). Tests switch it to
