@@ -212,8 +212,8 @@ struct LceSm90Kernel {
                             (1u << kClusterSize) - 1);
   }
 
-  __device__ static void compute(const Stage& stage, int k_step, Accumulators& accumulators,
-                                 int consumer) {
+  __device__ static void compute(const Params&, int, int, const Stage& stage, int k_step,
+                                 Accumulators& accumulators, int consumer) {
     // A (e^T, MN-major) spans a single 64-wide group along n, so only the
     // stride offset (8 k-rows, 1024 bytes) is used; the leading offset gets
     // the same value. B (w, K-major) steps 1024 bytes per 8 rows of m.

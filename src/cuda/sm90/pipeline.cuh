@@ -37,8 +37,9 @@
 //   num_units(params), num_k_steps(params, unit);
 //   load(params, unit, rank, k_step, stage, full)  one producer thread:
 //     issue the TMA copies of a k-step, completing on barrier `full`;
-//   compute(stage, k_step, accumulators, consumer)  one consumer
-//     warpgroup: issue the k-step's wgmmas and commit them as one group;
+//   compute(params, unit, rank, stage, k_step, accumulators, consumer)
+//     one consumer warpgroup: issue the k-step's wgmmas and commit them as
+//     one group (it may also start loads the epilogue will need);
 //   finish(params, unit, rank, accumulators, shared, consumer)  one
 //     consumer warpgroup, every wgmma of the unit retired: the epilogue;
 //   drain(shared, consumer)  one consumer warpgroup after its last unit
@@ -164,7 +165,8 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     int previous_stage = -1;
     for (int k_step = 0; k_step < k_steps; ++k_step) {
       ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
-      Kernel::compute(shared.stages[state.stage], k_step, accumulators, consumer);
+      Kernel::compute(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
+                      consumer);
       // One group stays in flight: the k-step just issued. The one before
       // has retired, so its stage goes back to the producers.
       ptx::wgmma_wait<1>();
