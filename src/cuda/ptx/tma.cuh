@@ -138,6 +138,14 @@ __device__ __forceinline__ void bulk_wait_group() {
   ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<kPending>{});
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16) of global memory from
+// `source` (16-byte aligned) without waiting for them. A hint only: L2 is
+// the point of coherence, so data written later by any SM is still seen.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* source, std::uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(source), "r"(bytes)
+               : "memory");
+}
+
 // Orders this thread's earlier generic-proxy shared-memory writes before
 // later async-proxy (TMA, wgmma) accesses; a barrier must follow before
 // another thread issues the copy.

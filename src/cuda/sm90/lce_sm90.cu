@@ -140,8 +140,17 @@ struct LceSm90Kernel {
   static constexpr int kWeightRowsPerCta = kBlockM / kClusterSize;
 
   using Params = LceSm90Params;
+  // The epilogue adds the user partial one output store (kStagingRows rows
+  // of M) at a time; the partial of the next store is loaded while the
+  // current one is written, and that of the first store while the last
+  // kPrefetchSteps k-steps of the main loop run.
+  static constexpr int kStores = kBlockM / kStagingRows;
+  static constexpr int kQuadsPerStore = kAccumulators / 4 / kStores;
+  static constexpr int kPrefetchSteps = 2;
+  static_assert(kQuadsPerStore == kStagingRows / 8, "one store takes the rows of its quads");
   struct Accumulators {
     float values[kAccumulators];
+    float4 partial[kQuadsPerStore];  // user partial of the next store
   };
   struct Stage {
     Element activations[kConsumerWarpgroups][kBlockK * kWarpgroupBlockN];  // [k][n] each
@@ -206,14 +215,20 @@ struct LceSm90Kernel {
       ptx::tma_load(stage.activations[consumer], activations,
                     tile.n_block * kBlockN + consumer * kWarpgroupBlockN, k0, tile.batch, full);
     }
+    if (k_step == 0 && !tile.user) {
+      // At low ratios the partials outgrow L2: bring this tile's back from
+      // DRAM while the main loop runs, so the epilogue reads hit L2.
+      ptx::bulk_prefetch_l2(params.user_partials + tile.partial_tile * kTileElements,
+                            kTileElements * sizeof(float));
+    }
     const int first_row = rank * kWeightRowsPerCta;
     ptx::tma_load_multicast(stage.weights + first_row * kBlockK, weights, k0,
                             tile.m_block * kBlockM + first_row, full,
                             (1u << kClusterSize) - 1);
   }
 
-  __device__ static void compute(const Params&, int, int, const Stage& stage, int k_step,
-                                 Accumulators& accumulators, int consumer) {
+  __device__ static void compute(const Params& params, int unit, int rank, const Stage& stage,
+                                 int k_step, Accumulators& accumulators, int consumer) {
     // A (e^T, MN-major) spans a single 64-wide group along n, so only the
     // stride offset (8 k-rows, 1024 bytes) is used; the leading offset gets
     // the same value. B (w, K-major) steps 1024 bytes per 8 rows of m.
@@ -231,6 +246,37 @@ struct LceSm90Kernel {
     }
     ptx::wgmma_commit_group();
     ptx::fence_operands(accumulators.values);
+    // While the last k-steps' wgmmas run, wait for the user partial of a
+    // candidate tile and load the part the first output store adds.
+    const int k_steps = num_k_steps(params, unit);
+    if (k_step == (k_steps > kPrefetchSteps ? k_steps - kPrefetchSteps : 0)) {
+      const Tile tile = tile_at(params, unit, rank);
+      if (!tile.user) {
+        const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+        if (thread == 0) ptx::wait_ready(params.user_ready + tile.partial_tile, kConsumerWarpgroups);
+        ptx::named_barrier_sync<kWarpgroupThreads>(1 + consumer);
+        load_partial(partial_of(params, tile, consumer, thread), 0, accumulators.partial);
+      }
+    }
+  }
+
+  // This thread's first float of the fragment-ordered P tile; the float4s
+  // of register quad j are kConsumerThreads apart.
+  __device__ static float* partial_of(const Params& params, const Tile& tile, int consumer,
+                                      int thread) {
+    return params.user_partials + tile.partial_tile * kTileElements +
+           4 * (consumer * kWarpgroupThreads + thread);
+  }
+
+  // The user partial of output store `store` (L2-resident, written by other
+  // CTAs: read past L1).
+  __device__ static void load_partial(const float* partial, int store,
+                                      float4 (&values)[kQuadsPerStore]) {
+#pragma unroll
+    for (int i = 0; i < kQuadsPerStore; ++i) {
+      const int quad = store * kQuadsPerStore + i;
+      values[i] = __ldcg(reinterpret_cast<const float4*>(partial + quad * 4 * kConsumerThreads));
+    }
   }
 
   __device__ static void finish(const Params& params, int unit, int rank,
@@ -240,11 +286,7 @@ struct LceSm90Kernel {
     const Tile tile = tile_at(params, unit, rank);
     const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
     const std::uint32_t barrier_id = 1 + consumer;
-    // This thread's first float of the fragment-ordered P tile; the float4s
-    // of register quad j are kConsumerThreads apart.
-    float* partial = params.user_partials + tile.partial_tile * kTileElements +
-                     4 * (consumer * kWarpgroupThreads + thread);
-    int* ready = params.user_ready + tile.partial_tile;
+    float* partial = partial_of(params, tile, consumer, thread);
 
     if (tile.user) {
 #pragma unroll
@@ -253,20 +295,8 @@ struct LceSm90Kernel {
             make_float4(acc[4 * quad], acc[4 * quad + 1], acc[4 * quad + 2], acc[4 * quad + 3]);
       }
       ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
-      if (thread == 0) ptx::signal_ready(ready);
+      if (thread == 0) ptx::signal_ready(params.user_ready + tile.partial_tile);
       return;
-    }
-
-    if (thread == 0) ptx::wait_ready(ready, kConsumerWarpgroups);
-    ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
-#pragma unroll
-    for (int quad = 0; quad < kAccumulators / 4; ++quad) {
-      const float4 user_part =
-          __ldcg(reinterpret_cast<const float4*>(partial + quad * 4 * kConsumerThreads));
-      acc[4 * quad] += user_part.x;
-      acc[4 * quad + 1] += user_part.y;
-      acc[4 * quad + 2] += user_part.z;
-      acc[4 * quad + 3] += user_part.w;
     }
 
     Element* staging = shared.out[consumer];
@@ -281,9 +311,19 @@ struct LceSm90Kernel {
     const int n_chunk = 2 * warp + block % 2;
     const std::uint32_t lane_address = ptx::shared_address(staging) +
                                        block_row * kSwizzleRowBytes + ((n_chunk ^ block_row) << 4);
-    constexpr int kQuadsPerStore = kStagingRows / 8;
 #pragma unroll
-    for (int store = 0; store < kBlockM / kStagingRows; ++store) {
+    for (int store = 0; store < kStores; ++store) {
+      // The partial of this store arrived during the main loop or the
+      // previous store; add it, then start loading the next store's.
+#pragma unroll
+      for (int i = 0; i < kQuadsPerStore; ++i) {
+        const int quad = store * kQuadsPerStore + i;
+        acc[4 * quad] += accumulators.partial[i].x;
+        acc[4 * quad + 1] += accumulators.partial[i].y;
+        acc[4 * quad + 2] += accumulators.partial[i].z;
+        acc[4 * quad + 3] += accumulators.partial[i].w;
+      }
+      if (store + 1 < kStores) load_partial(partial, store + 1, accumulators.partial);
       // The staging rows are free again once the previous store has read them.
       if (thread == 0) ptx::bulk_wait_group_read<0>();
       ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
