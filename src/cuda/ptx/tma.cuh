@@ -103,6 +103,14 @@ __device__ __forceinline__ void tma_load_multicast(void* shared_destination,
                                     shared_destination, map, coordinates, barrier, cta_mask);
 }
 
+// Copies `bytes` (a multiple of 16) of contiguous global memory at `source`
+// (16-byte aligned) into shared memory, completing on `barrier`.
+__device__ __forceinline__ void bulk_load(void* shared_destination, const void* source,
+                                          std::uint32_t bytes, std::uint64_t* barrier) {
+  ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
+                             shared_destination, source, bytes, barrier);
+}
+
 // Copies the box at (c0, c1, c2) of a 3-D map into shared memory.
 __device__ __forceinline__ void tma_load(void* shared_destination, const CUtensorMap* map,
                                          std::int32_t c0, std::int32_t c1, std::int32_t c2,
@@ -138,12 +146,13 @@ __device__ __forceinline__ void bulk_wait_group() {
   ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<kPending>{});
 }
 
-// Asks L2 to fetch `bytes` (a multiple of 16) of global memory from
-// `source` (16-byte aligned) without waiting for them. A hint only: L2 is
-// the point of coherence, so data written later by any SM is still seen.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* source, std::uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(source), "r"(bytes)
-               : "memory");
+// Orders this thread's global-memory accesses through the generic proxy
+// (ordinary loads and stores) with its later ones through the async proxy
+// (TMA), and the reverse. Data one CTA stores and another reads with TMA
+// crosses both proxies: the writer fences before it signals, the reader
+// after it sees the signal.
+__device__ __forceinline__ void fence_async_global() {
+  ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);
 }
 
 // Orders this thread's earlier generic-proxy shared-memory writes before

@@ -1,16 +1,19 @@
 // src/cuda/sm90/lce_sm90.cu — LCE on Hopper: TMA loads, wgmma with fp32
 // accumulators on the warp-specialized pipeline (sm90/pipeline.cuh), and
-// the user partial gathered and added in the candidate GEMM's epilogue.
+// the gathered user partial as the candidate GEMM's starting accumulators.
 //
 //   out[b] = w_c @ e_c[b] + w_u @ e_u[cand_to_user[b]]
 //
 // One persistent launch on the caller's stream runs two kinds of work units:
 //   user units       P[u] = w_u @ e_u[u] in fp32 into the workspace, one
 //                    tile at a time, each tile flagged ready when stored;
-//   candidate units  out[b] = round(w_c @ e_c[b] + P[cand_to_user[b]]): the
-//                    epilogue waits for the flag of the P tile it needs,
-//                    adds it in fp32 registers and rounds once; no candidate
-//                    partial ever goes to memory.
+//   candidate units  out[b] = round(P[cand_to_user[b]] + w_c @ e_c[b]): the
+//                    producer waits for the flag of the P tile it needs and
+//                    streams the tile through the stage ring ahead of the
+//                    unit's operands; the consumers load it into their
+//                    accumulators, the main loop accumulates on top, and
+//                    the epilogue rounds once; no candidate partial ever
+//                    goes to memory.
 // User units come first in the walk, so they are the first units of their
 // clusters and never wait: every flag is set while the candidate units'
 // main loops run, and the user GEMM costs no launch or pipeline drain.
@@ -40,17 +43,23 @@
 // L2 reads per tile by a third. N blocks are padded to an even count; a
 // block past N computes zeros and stores nothing.
 //
-// Epilogues.
-//   user units: P is stored exactly as it sits in the accumulators
-//     ("fragment order": per tile, [register quad j][consumer thread][4]),
-//     so a warp writes 512 contiguous bytes per 16-byte store.
-//   candidate units: the same tile of P[cand_to_user[b]] is read the same
-//     way (L2-resident), added, rounded, transposed into shared memory with
-//     stmatrix.trans (rows of M with N contiguous, 128-byte swizzled, so the
-//     stores are free of bank conflicts) and written by TMA stores of 112
-//     rows, which clip the M and N tails and drain while the next unit's
-//     main loop runs. Staging half a tile at a time leaves shared memory for
-//     four pipeline stages instead of three.
+// The user partial P. A user unit stores P exactly as it sits in the
+// accumulators ("fragment order": per tile, [register quad j][consumer
+// thread][4]), so a warp writes 512 contiguous bytes per 16-byte store. A
+// candidate unit's first three k-steps are "register steps"
+// (pipeline.cuh): bulk copies of its P tile (115 KB, 11 quads per 44 KB
+// stage), which the consumers read back in the same order, conflict-free.
+// Loading P this way, during the previous unit's main loop and through the
+// copy engine, instead of adding it in the epilogue from L2 with the
+// tensor cores idle, took the reference shape from 0.411 to 0.390 ms on
+// H100 (an ablation without any P read ran 0.363 ms).
+//
+// Candidate epilogue: round, transpose into shared memory with
+// stmatrix.trans (rows of M with N contiguous, 128-byte swizzled, so the
+// stores are free of bank conflicts) and write with TMA stores of 32 rows,
+// which clip the N tail and drain while the next unit's main loop runs.
+// Three staging buffers per consumer warpgroup rotate, so a store's
+// stmatrix never waits for the store just issued.
 //
 // Schedule: a persistent grid of co-resident clusters walks the units in
 // the order (user units; then b, N-block pair, M block): the M blocks that
@@ -107,7 +116,7 @@ constexpr int kSwizzleRowBytes = 128;
 constexpr int kElementBytes = 2;
 
 constexpr int kClusterSize = 2;          // CTAs sharing one weight tile
-constexpr int kStagingRows = kBlockM / 2;  // rows of M per output TMA store
+constexpr int kStagingRows = 32;  // rows of M per output TMA store
 
 struct LceSm90Params {
   // {N, K, batch}, boxes {64 n, 64 k, 1}
@@ -118,7 +127,7 @@ struct LceSm90Params {
   float* user_partials;  // [U][N block][M block][fragment order]
   int* user_ready;       // [U][N block][M block]: warpgroups that stored their part
   const std::int32_t* cand_to_user;
-  int n;
+  int m, n;
   int user_k_steps, candidate_k_steps;
   int n_blocks, m_blocks;  // n_blocks even
   int num_user_units;
@@ -140,25 +149,20 @@ struct LceSm90Kernel {
   static constexpr int kWeightRowsPerCta = kBlockM / kClusterSize;
 
   using Params = LceSm90Params;
-  // The epilogue adds the user partial one output store (kStagingRows rows
-  // of M) at a time; the partial of the next store is loaded while the
-  // current one is written, and that of the first store while the last
-  // kPrefetchSteps k-steps of the main loop run.
-  static constexpr int kStores = kBlockM / kStagingRows;
-  static constexpr int kQuadsPerStore = kAccumulators / 4 / kStores;
-  static constexpr int kPrefetchSteps = 2;
-  static_assert(kQuadsPerStore == kStagingRows / 8, "one store takes the rows of its quads");
   struct Accumulators {
     float values[kAccumulators];
-    float4 partial[kQuadsPerStore];  // user partial of the next store
   };
   struct Stage {
     Element activations[kConsumerWarpgroups][kBlockK * kWarpgroupBlockN];  // [k][n] each
     Element weights[kBlockM * kBlockK];                                      // [m][k]
   };
+  // Output staging: per consumer warpgroup, kStagingBuffers buffers of
+  // kStagingRows rows of M (64 n each), written in rotation so that a
+  // buffer is refilled while the TMA stores of the others drain.
+  static constexpr int kStagingBuffers = 3;
   struct SharedStorage {
     Stage stages[kStages];
-    Element out[kConsumerWarpgroups][kStagingRows * kWarpgroupBlockN];  // [m][n] each
+    Element out[kConsumerWarpgroups][kStagingBuffers][kStagingRows * kWarpgroupBlockN];  // [m][n]
   };
   // Both CTAs' weight halves land in each CTA's stage.
   static constexpr std::uint32_t kStageBytes = sizeof(Stage);
@@ -166,10 +170,23 @@ struct LceSm90Kernel {
                     sizeof(Stage::activations) % kSharedAlignment == 0 &&
                     sizeof(Stage) % kSharedAlignment == 0 &&
                     kWeightRowsPerCta * kBlockK * sizeof(Element) % kSharedAlignment == 0 &&
-                    sizeof(SharedStorage::out[0]) % kSharedAlignment == 0,
+                    sizeof(SharedStorage::out[0][0]) % kSharedAlignment == 0,
                 "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
-  static_assert(kBlockM % kStagingRows == 0 && kStagingRows % 16 == 0,
+  static constexpr int kStores = kBlockM / kStagingRows;
+  static constexpr int kQuadsPerStore = kStagingRows / 8;
+  static_assert(kBlockM % kStagingRows == 0 && kQuadsPerStore % 2 == 0,
                 "output stores take whole stmatrix.x4 row pairs");
+
+  // A candidate unit starts with kPartialSteps steps that bring the fp32
+  // user partial of its tile, in fragment order, through the ring: each
+  // consumer thread loads its registers from it, and the main loop
+  // accumulates on top, so the epilogue only rounds and stores. A step
+  // carries whole register quads (kQuadBytes: one float4 per consumer
+  // thread); the last one fewer.
+  static constexpr int kQuads = kAccumulators / 4;
+  static constexpr int kQuadBytes = kConsumerThreads * static_cast<int>(sizeof(float4));
+  static constexpr int kQuadsPerPartialStep = static_cast<int>(sizeof(Stage)) / kQuadBytes;
+  static constexpr int kPartialSteps = (kQuads + kQuadsPerPartialStep - 1) / kQuadsPerPartialStep;
 
   struct Tile {
     bool user;  // a user unit (P tile) or a candidate unit (out tile)
@@ -177,13 +194,17 @@ struct LceSm90Kernel {
     std::int64_t partial_tile;  // index of its P tile
   };
 
+  __device__ static bool is_user_unit(const Params& params, int launch_unit) {
+    return params.first_unit + launch_unit < params.num_user_units;
+  }
+
   // Unit -> tile: user units first, then candidate units, each walking
   // (batch item, N block pair, M block); the CTA of rank r takes the pair's
   // N block 2 * pair + r.
   __device__ static Tile tile_at(const Params& params, int launch_unit, int rank) {
-    const int unit = params.first_unit + launch_unit;
     Tile tile;
-    tile.user = unit < params.num_user_units;
+    tile.user = is_user_unit(params, launch_unit);
+    const int unit = params.first_unit + launch_unit;
     const int index = tile.user ? unit : unit - params.num_user_units;
     const int units_per_item = params.n_blocks / kClusterSize * params.m_blocks;
     const int within_item = index % units_per_item;
@@ -198,14 +219,43 @@ struct LceSm90Kernel {
   }
 
   __device__ static int num_units(const Params& params) { return params.num_units; }
-  __device__ static int num_k_steps(const Params& params, int launch_unit) {
-    return params.first_unit + launch_unit < params.num_user_units ? params.user_k_steps
-                                                                   : params.candidate_k_steps;
+  __device__ static int num_k_steps(const Params& params, int unit) {
+    return is_user_unit(params, unit) ? params.user_k_steps
+                                      : kPartialSteps + params.candidate_k_steps;
+  }
+  __device__ static int partial_step_quads(int k_step) {
+    return k_step + 1 < kPartialSteps ? kQuadsPerPartialStep
+                                      : kQuads - (kPartialSteps - 1) * kQuadsPerPartialStep;
+  }
+  __device__ static std::uint32_t stage_bytes(const Params& params, int unit, int k_step) {
+    if (!is_user_unit(params, unit) && k_step < kPartialSteps) {
+      return static_cast<std::uint32_t>(partial_step_quads(k_step) * kQuadBytes);
+    }
+    return kStageBytes;
+  }
+  __device__ static const float* partial_tile(const Params& params, const Tile& tile) {
+    return params.user_partials + tile.partial_tile * kTileElements;
   }
 
   __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
                               std::uint64_t* full) {
     const Tile tile = tile_at(params, unit, rank);
+    if (!tile.user) {
+      if (k_step < kPartialSteps) {
+        if (k_step == 0) {
+          // Written by the user unit's consumers with ordinary stores; read
+          // here by TMA (see ptx::fence_async_global).
+          ptx::wait_ready(params.user_ready + tile.partial_tile, kConsumerWarpgroups);
+          ptx::fence_async_global();
+        }
+        ptx::bulk_load(&stage,
+                       reinterpret_cast<const char*>(partial_tile(params, tile)) +
+                           std::int64_t{k_step} * kQuadsPerPartialStep * kQuadBytes,
+                       stage_bytes(params, unit, k_step), full);
+        return;
+      }
+      k_step -= kPartialSteps;
+    }
     const CUtensorMap* activations =
         tile.user ? &params.user_activations : &params.candidate_activations;
     const CUtensorMap* weights = tile.user ? &params.user_weights : &params.candidate_weights;
@@ -215,20 +265,48 @@ struct LceSm90Kernel {
       ptx::tma_load(stage.activations[consumer], activations,
                     tile.n_block * kBlockN + consumer * kWarpgroupBlockN, k0, tile.batch, full);
     }
-    if (k_step == 0 && !tile.user) {
-      // At low ratios the partials outgrow L2: bring this tile's back from
-      // DRAM while the main loop runs, so the epilogue reads hit L2.
-      ptx::bulk_prefetch_l2(params.user_partials + tile.partial_tile * kTileElements,
-                            kTileElements * sizeof(float));
-    }
     const int first_row = rank * kWeightRowsPerCta;
     ptx::tma_load_multicast(stage.weights + first_row * kBlockK, weights, k0,
                             tile.m_block * kBlockM + first_row, full,
                             (1u << kClusterSize) - 1);
   }
 
-  __device__ static void compute(const Params& params, int unit, int rank, const Stage& stage,
+  static constexpr int kMaxRegisterSteps = kPartialSteps;
+  __device__ static int num_register_steps(const Params& params, int unit) {
+    return is_user_unit(params, unit) ? 0 : kPartialSteps;
+  }
+
+  // A step of the user partial: this thread's quads of it into the accumulators.
+  __device__ static void load_registers(const Params&, int, int, const Stage& stage, int k_step,
+                                        Accumulators& accumulators, int consumer) {
+    float* acc = accumulators.values;
+    // No wgmma is in flight here; ptxas cannot tell across the unit loop,
+    // and without this wait it serializes every wgmma of the kernel
+    // (warning C7515) because ordinary loads write the accumulators.
+    ptx::wgmma_wait<0>();
+    // Fragment order: the float4 of quad j of consumer thread t sits at
+    // (j * kConsumerThreads + t) * 16 bytes, so a warp reads 512
+    // contiguous bytes per quad, free of bank conflicts.
+    const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+    const auto* partial =
+        reinterpret_cast<const float4*>(&stage) + consumer * kWarpgroupThreads + thread;
+#pragma unroll
+    for (int quad = 0; quad < kQuads; ++quad) {
+      if (quad / kQuadsPerPartialStep == k_step) {
+        const float4 value = partial[quad % kQuadsPerPartialStep * kConsumerThreads];
+        acc[4 * quad] = value.x;
+        acc[4 * quad + 1] = value.y;
+        acc[4 * quad + 2] = value.z;
+        acc[4 * quad + 3] = value.w;
+      }
+    }
+  }
+
+  __device__ static void compute(const Params& params, int unit, int, const Stage& stage,
                                  int k_step, Accumulators& accumulators, int consumer) {
+    // A user unit's first k-step starts from zero, a candidate unit's
+    // accumulates onto the user partial.
+    const bool first = is_user_unit(params, unit) && k_step == 0;
     // A (e^T, MN-major) spans a single 64-wide group along n, so only the
     // stride offset (8 k-rows, 1024 bytes) is used; the leading offset gets
     // the same value. B (w, K-major) steps 1024 bytes per 8 rows of m.
@@ -242,41 +320,10 @@ struct LceSm90Kernel {
     for (int slice = 0; slice < kBlockK / kWgmmaK; ++slice) {
       ptx::wgmma_m64n224k16<Element, 1, 0>(
           accumulators.values, ptx::advance_descriptor(a, slice * kWgmmaK * kSwizzleRowBytes),
-          ptx::advance_descriptor(b, slice * kWgmmaK * kElementBytes), k_step > 0 || slice > 0);
+          ptx::advance_descriptor(b, slice * kWgmmaK * kElementBytes), !first || slice > 0);
     }
     ptx::wgmma_commit_group();
     ptx::fence_operands(accumulators.values);
-    // While the last k-steps' wgmmas run, wait for the user partial of a
-    // candidate tile and load the part the first output store adds.
-    const int k_steps = num_k_steps(params, unit);
-    if (k_step == (k_steps > kPrefetchSteps ? k_steps - kPrefetchSteps : 0)) {
-      const Tile tile = tile_at(params, unit, rank);
-      if (!tile.user) {
-        const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
-        if (thread == 0) ptx::wait_ready(params.user_ready + tile.partial_tile, kConsumerWarpgroups);
-        ptx::named_barrier_sync<kWarpgroupThreads>(1 + consumer);
-        load_partial(partial_of(params, tile, consumer, thread), 0, accumulators.partial);
-      }
-    }
-  }
-
-  // This thread's first float of the fragment-ordered P tile; the float4s
-  // of register quad j are kConsumerThreads apart.
-  __device__ static float* partial_of(const Params& params, const Tile& tile, int consumer,
-                                      int thread) {
-    return params.user_partials + tile.partial_tile * kTileElements +
-           4 * (consumer * kWarpgroupThreads + thread);
-  }
-
-  // The user partial of output store `store` (L2-resident, written by other
-  // CTAs: read past L1).
-  __device__ static void load_partial(const float* partial, int store,
-                                      float4 (&values)[kQuadsPerStore]) {
-#pragma unroll
-    for (int i = 0; i < kQuadsPerStore; ++i) {
-      const int quad = store * kQuadsPerStore + i;
-      values[i] = __ldcg(reinterpret_cast<const float4*>(partial + quad * 4 * kConsumerThreads));
-    }
   }
 
   __device__ static void finish(const Params& params, int unit, int rank,
@@ -286,21 +333,25 @@ struct LceSm90Kernel {
     const Tile tile = tile_at(params, unit, rank);
     const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
     const std::uint32_t barrier_id = 1 + consumer;
-    float* partial = partial_of(params, tile, consumer, thread);
 
     if (tile.user) {
+      // P in fragment order: this thread's float4 of quad j at
+      // (j * kConsumerThreads + consumer * 128 + thread) * 16 bytes.
+      float* partial = params.user_partials + tile.partial_tile * kTileElements +
+                       4 * (consumer * kWarpgroupThreads + thread);
 #pragma unroll
-      for (int quad = 0; quad < kAccumulators / 4; ++quad) {
+      for (int quad = 0; quad < kQuads; ++quad) {
         *reinterpret_cast<float4*>(partial + quad * 4 * kConsumerThreads) =
             make_float4(acc[4 * quad], acc[4 * quad + 1], acc[4 * quad + 2], acc[4 * quad + 3]);
       }
+      ptx::fence_async_global();  // candidate units read P with TMA
       ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
       if (thread == 0) ptx::signal_ready(params.user_ready + tile.partial_tile);
       return;
     }
 
-    Element* staging = shared.out[consumer];
     const int n0 = tile.n_block * kBlockN + consumer * kWarpgroupBlockN;
+    if (n0 >= params.n) return;  // a block past N (padding of the last N block pair)
     // stmatrix.x4 over register quads j and j+1 stores four 8x8 blocks:
     // (n rows g, g+8 of this warp) x (m columns of quads j, j+1),
     // transposed so that each stored row is one m with 8 consecutive n.
@@ -309,39 +360,35 @@ struct LceSm90Kernel {
     const int warp = thread / 32, lane = thread % 32;
     const int block = lane / 8, block_row = lane % 8;
     const int n_chunk = 2 * warp + block % 2;
-    const std::uint32_t lane_address = ptx::shared_address(staging) +
-                                       block_row * kSwizzleRowBytes + ((n_chunk ^ block_row) << 4);
+    const std::uint32_t lane_offset =
+        block_row * kSwizzleRowBytes + ((n_chunk ^ block_row) << 4);
+    // The previous unit's stores have long finished reading the buffers.
+    if (thread == 0) ptx::bulk_wait_group_read<0>();
+    ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
 #pragma unroll
     for (int store = 0; store < kStores; ++store) {
-      // The partial of this store arrived during the main loop or the
-      // previous store; add it, then start loading the next store's.
-#pragma unroll
-      for (int i = 0; i < kQuadsPerStore; ++i) {
-        const int quad = store * kQuadsPerStore + i;
-        acc[4 * quad] += accumulators.partial[i].x;
-        acc[4 * quad + 1] += accumulators.partial[i].y;
-        acc[4 * quad + 2] += accumulators.partial[i].z;
-        acc[4 * quad + 3] += accumulators.partial[i].w;
-      }
-      if (store + 1 < kStores) load_partial(partial, store + 1, accumulators.partial);
-      // The staging rows are free again once the previous store has read them.
-      if (thread == 0) ptx::bulk_wait_group_read<0>();
-      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+      // Rows past M: neither this store nor the later ones (a skipped store
+      // would also break the count of stores in flight).
+      const int m0 = tile.m_block * kBlockM + store * kStagingRows;
+      if (m0 >= params.m) break;
+      Element* staging = shared.out[consumer][store % kStagingBuffers];
 #pragma unroll
       for (int pair = 0; pair < kQuadsPerStore; pair += 2) {
         const int quad = store * kQuadsPerStore + pair;
         const int m_row = 8 * (pair + block / 2);  // first staged row of this lane's block
-        ptx::stmatrix_x4_trans(lane_address + m_row * kSwizzleRowBytes,
+        ptx::stmatrix_x4_trans(ptx::shared_address(staging) + lane_offset + m_row * kSwizzleRowBytes,
                                ptx::pack_pair<Element>(acc[4 * quad], acc[4 * quad + 1]),
                                ptx::pack_pair<Element>(acc[4 * quad + 2], acc[4 * quad + 3]),
                                ptx::pack_pair<Element>(acc[4 * quad + 4], acc[4 * quad + 5]),
                                ptx::pack_pair<Element>(acc[4 * quad + 6], acc[4 * quad + 7]));
       }
       ptx::fence_async_shared();
+      // The next store refills the buffer of store - 2: at most one store
+      // (store - 1) may still be reading.
+      if (thread == 0) ptx::bulk_wait_group_read<kStagingBuffers - 2>();
       ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
-      if (thread == 0 && n0 < params.n) {
-        ptx::tma_store(&params.out, n0, tile.m_block * kBlockM + store * kStagingRows, tile.batch,
-                       staging);
+      if (thread == 0) {
+        ptx::tma_store(&params.out, n0, m0, tile.batch, staging);
         ptx::bulk_commit_group();
       }
     }
@@ -555,6 +602,7 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.user_partials = reinterpret_cast<float*>(workspace);
   params.user_ready = reinterpret_cast<int*>(workspace + layout.partial_bytes);
   params.cand_to_user = args.map->device_view.cand_to_user;
+  params.m = static_cast<int>(plan.m);
   params.n = static_cast<int>(args.n);
   params.user_k_steps = k_steps(plan.ku);
   params.candidate_k_steps = k_steps(plan.kc);

@@ -32,14 +32,21 @@
 //   Params, Accumulators (one consumer thread's registers), SharedStorage
 //     (holding `Stage stages[kStages]` and whatever the epilogue stages);
 //   kStages, kClusterSize, kConsumerWarpgroups, kProducerRegisters,
-//     kConsumerRegisters, kStageBytes (the TMA bytes landing in one stage
-//     of one CTA, multicasts from the other CTAs included);
+//     kConsumerRegisters, kMaxRegisterSteps;
 //   num_units(params), num_k_steps(params, unit);
+//   stage_bytes(params, unit, k_step)  the TMA bytes landing in one stage of
+//     one CTA for that k-step, multicasts from the other CTAs included;
 //   load(params, unit, rank, k_step, stage, full)  one producer thread:
 //     issue the TMA copies of a k-step, completing on barrier `full`;
+//   num_register_steps(params, unit)  how many of the unit's first k-steps
+//     are register steps, at most kMaxRegisterSteps (0 for a plain GEMM);
+//   load_registers(params, unit, rank, stage, k_step, accumulators,
+//     consumer)  one consumer warpgroup, a register step: read the stage
+//     into registers with ordinary loads (e.g. to start the accumulators
+//     from a partial result instead of zero); the stage is released after;
 //   compute(params, unit, rank, stage, k_step, accumulators, consumer)
-//     one consumer warpgroup: issue the k-step's wgmmas and commit them as
-//     one group (it may also start loads the epilogue will need);
+//     one consumer warpgroup, every other k-step: issue its wgmmas and
+//     commit them as one group;
 //   finish(params, unit, rank, accumulators, shared, consumer)  one
 //     consumer warpgroup, every wgmma of the unit retired: the epilogue;
 //   drain(shared, consumer)  one consumer warpgroup after its last unit
@@ -127,7 +134,8 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
       const int k_steps = Kernel::num_k_steps(params, unit);
       for (int k_step = 0; k_step < k_steps; ++k_step) {
         wait_released(state);
-        ptx::mbarrier_arrive_expect_tx(&barriers.full[state.stage], Kernel::kStageBytes);
+        ptx::mbarrier_arrive_expect_tx(&barriers.full[state.stage],
+                                       Kernel::stage_bytes(params, unit, k_step));
         Kernel::load(params, unit, rank, k_step, shared.stages[state.stage],
                      &barriers.full[state.stage]);
         state.advance();
@@ -162,8 +170,22 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   typename Kernel::Accumulators accumulators{};
   for (int unit = first_unit; unit < num_units; unit += unit_step) {
     const int k_steps = Kernel::num_k_steps(params, unit);
+    // Register steps come first, while no wgmma is in flight: ptxas
+    // serializes every wgmma of a kernel in which ordinary instructions may
+    // write accumulators under a running wgmma.
+    const int register_steps = Kernel::num_register_steps(params, unit);
+#pragma unroll
+    for (int k_step = 0; k_step < Kernel::kMaxRegisterSteps; ++k_step) {
+      if (k_step >= register_steps) break;
+      ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
+      Kernel::load_registers(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
+                             consumer);
+      // The arrive's release semantics order the loads before it.
+      release(state.stage);
+      state.advance();
+    }
     int previous_stage = -1;
-    for (int k_step = 0; k_step < k_steps; ++k_step) {
+    for (int k_step = register_steps; k_step < k_steps; ++k_step) {
       ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
       Kernel::compute(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
                       consumer);
