@@ -108,9 +108,9 @@ Work lce_work(const LceDims& dims, std::int64_t batch, std::int64_t users, DType
 
 // The staircase stages decomposed, aligned and fused at one shape; `workspace`
 // is ikbo::lce's for this call (the fused stage runs the same call).
-void run_staircase(const BenchContext& context, const LceWeights& weights,
-                   const CandidateMap& map, const Tensor& e_c, const Tensor& e_u,
-                   const Tensor& out, Workspace workspace, ShapeRecords& records) {
+void run_staircase(const BenchContext& context, const LceWeights& weights, const CandidateMap& map,
+                   const Tensor& e_c, const Tensor& e_u, const Tensor& out, Workspace workspace,
+                   ShapeRecords& records) {
   const Device device = context.device();
   const Stream stream = context.stream();
   if (!device.is_cuda()) {
@@ -136,8 +136,8 @@ void run_staircase(const BenchContext& context, const LceWeights& weights,
   const std::size_t element = dtype_size(dtype);
   const auto e_c_bytes = static_cast<std::size_t>(batch * kc_aligned * dims.n) * element;
   const auto e_u_bytes = static_cast<std::size_t>(users * ku_aligned * dims.n) * element;
-  if (const auto blocker = replication_blocker(device, e_c_bytes + e_u_bytes,
-                                                   "K-padded copies of e_c and e_u")) {
+  if (const auto blocker =
+          replication_blocker(device, e_c_bytes + e_u_bytes, "K-padded copies of e_c and e_u")) {
     records.skip(kAligned, *blocker);
   } else {
     const Buffer e_c_buffer(e_c_bytes, device), e_u_buffer(e_u_bytes, device);
@@ -148,18 +148,17 @@ void run_staircase(const BenchContext& context, const LceWeights& weights,
     baseline::pad_k(e_c, e_c_aligned, stream);  // "K padded beforehand": not timed
     baseline::pad_k(e_u, e_u_aligned, stream);
     records.measure(kAligned, [&] {
-      baseline::lce_decomposed(w_c_aligned, w_u_aligned, e_c_aligned, e_u_aligned, map, out,
-                               stream, decomposed_workspace);
+      baseline::lce_decomposed(w_c_aligned, w_u_aligned, e_c_aligned, e_u_aligned, map, out, stream,
+                               decomposed_workspace);
     });
   }
 
-  if (const auto blocker = baseline::lce_fused_blocker(weights.ikbo, e_c, e_u, map, out,
-                                                       workspace)) {
+  if (const auto blocker =
+          baseline::lce_fused_blocker(weights.ikbo, e_c, e_u, map, out, workspace)) {
     records.skip(kFused, *blocker);
   } else {
-    records.measure(kFused, [&] {
-      baseline::lce_fused(weights.ikbo, e_c, e_u, map, out, stream, workspace);
-    });
+    records.measure(
+        kFused, [&] { baseline::lce_fused(weights.ikbo, e_c, e_u, map, out, stream, workspace); });
   }
 }
 

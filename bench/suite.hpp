@@ -63,8 +63,8 @@ class ShapeRecords {
  public:
   // `variants`: the suite's variants in table order (kLceVariants, ...).
   ShapeRecords(const BenchContext& context, std::string suite,
-               std::span<const std::string_view> variants, std::vector<ShapeField> shape,
-               Work work, std::optional<bool> jagged = std::nullopt);
+               std::span<const std::string_view> variants, std::vector<ShapeField> shape, Work work,
+               std::optional<bool> jagged = std::nullopt);
 
   // Times `op` (warm-up and reps from the options). An exception from the op
   // becomes a failed record; the run goes on.

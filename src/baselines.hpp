@@ -39,8 +39,7 @@ void lce_concat(const LcePlan::State& plan, const Tensor& e_full, const Tensor& 
 // inputs exactly as given. "aligned" (stage 2) is the same call on copies
 // whose K was zero-padded to a multiple of 8 beforehand (pad_k). CUDA only:
 // on the CPU, ikbo::lce itself computes the decomposed form.
-std::size_t lce_decomposed_workspace_bytes(const Tensor& w_c, const Tensor& e_c,
-                                           const Tensor& e_u);
+std::size_t lce_decomposed_workspace_bytes(const Tensor& w_c, const Tensor& e_c, const Tensor& e_u);
 void lce_decomposed(const Tensor& w_c, const Tensor& w_u, const Tensor& e_c, const Tensor& e_u,
                     const CandidateMap& map, const Tensor& out, Stream stream = nullptr,
                     Workspace workspace = {});

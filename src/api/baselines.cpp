@@ -152,8 +152,8 @@ void pad_k(const Tensor& src, const Tensor& dst, Stream stream) {
   for (int dim = 0; dim < src.rank; ++dim) {
     if (dim != 1) detail::check_dim(dst, "dst", dim, src.size(dim), "the same dimension of src");
   }
-  detail::require(dst.size(1) >= src.size(1), "dst dimension 1 (K) must be >= src's ",
-                  src.size(1), ", got ", dst.size(1));
+  detail::require(dst.size(1) >= src.size(1), "dst dimension 1 (K) must be >= src's ", src.size(1),
+                  ", got ", dst.size(1));
   detail::check_no_overlap(dst, "dst", src, "src");
   const std::int64_t rows = src.size(0);
   if (rows == 0) return;

@@ -93,8 +93,8 @@ LceArgs check_lce_call(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u
   args.workspace = workspace.data;
   args.workspace_bytes = workspace.bytes;
   if (args.num_candidates > 0 && plan.device().is_cuda()) {
-    const std::size_t needed = cuda::lce_workspace_bytes(plan.state(), args.n,
-                                                         args.num_candidates, args.num_users);
+    const std::size_t needed =
+        cuda::lce_workspace_bytes(plan.state(), args.n, args.num_candidates, args.num_users);
     check_workspace(workspace, needed, "lce_workspace_bytes");
   }
   return args;

@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       const Row user_part = user_row[i];
 #pragma unroll
       for (int lane = 0; lane < kVector; ++lane) {
-        sum.lanes[lane] = from_float<Element>(to_float(sum.lanes[lane]) +
-                                              to_float(user_part.lanes[lane]));
+        sum.lanes[lane] =
+            from_float<Element>(to_float(sum.lanes[lane]) + to_float(user_part.lanes[lane]));
       }
       out_row[i] = sum;
     }
@@ -81,8 +81,8 @@ void gather_add(DType dtype, void* out, const void* user_out, const std::int32_t
                               reinterpret_cast<std::uintptr_t>(out) % vector_bytes == 0 &&
                               reinterpret_cast<std::uintptr_t>(user_out) % vector_bytes == 0;
     if (vectorizable) {
-      launch_gather_add<Element, kVector>(out, user_out, cand_to_user, num_candidates,
-                                          row_elements, stream);
+      launch_gather_add<Element, kVector>(out, user_out, cand_to_user, num_candidates, row_elements,
+                                          stream);
     } else {
       launch_gather_add<Element, 1>(out, user_out, cand_to_user, num_candidates, row_elements,
                                     stream);
