@@ -50,16 +50,8 @@ testing::AssertionResult matches_with_two_roundings(std::span<const double> actu
                 << " (two roundings, " << dtype_name(dtype) << ")";
 }
 
-struct StaircaseCase {
-  const char* name;
-  LceShape shape;  // m, kc, ku, n, num_candidates, num_users
-  MapOrder order;
-};
-
-void PrintTo(const StaircaseCase& value, std::ostream* stream) { *stream << value.name; }
-
-const std::vector<StaircaseCase>& staircase_cases() {
-  static const std::vector<StaircaseCase> cases = {
+const std::vector<LceCase>& staircase_cases() {
+  static const std::vector<LceCase> cases = {
       {"reference_widths", {433, 866, 1178, 8, 4, 2}, MapOrder::unsorted},
       {"half_reference_widths", {217, 433, 589, 16, 6, 3}, MapOrder::unsorted},
       {"odd_widths", {45, 87, 117, 24, 9, 4}, MapOrder::unsorted},
@@ -114,13 +106,13 @@ struct StaircaseProblem {
   }
 };
 
-using StaircaseParam = std::tuple<DType, StaircaseCase>;
+using StaircaseParam = std::tuple<DType, LceCase>;
 
 class LceStaircaseCuda : public testing::TestWithParam<StaircaseParam> {
  protected:
   void SetUp() override { IKBO_SKIP_IF_UNAVAILABLE(kCuda); }
   DType dtype() const { return std::get<0>(GetParam()); }
-  const StaircaseCase& staircase_case() const { return std::get<1>(GetParam()); }
+  const LceCase& staircase_case() const { return std::get<1>(GetParam()); }
 };
 
 TEST_P(LceStaircaseCuda, DecomposedMatchesTheReference) {

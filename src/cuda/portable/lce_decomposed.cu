@@ -111,29 +111,24 @@ void lce_decomposed(const LceDecomposedArgs& args) {
       std::min(args.workspace_bytes - user_bytes, kCublasWorkspaceBytes);
   CublasLease blas(args.device, stream, cublas_bytes > 0 ? workspace + user_bytes : nullptr,
                    cublas_bytes);
-  const cudaDataType_t output_type = cuda_data_type(args.dtype);
-  run_batched_gemm(blas.handle(), args.dtype,
-                   {.m = args.m,
-                    .n = args.n,
-                    .k = args.ku,
-                    .weight = args.w_u,
-                    .ld_weight = args.ku,
-                    .inputs = args.e_u,
-                    .input_stride = args.ku * args.n,
-                    .outputs = workspace,
-                    .output_type = output_type,
-                    .batch = args.num_users});
-  run_batched_gemm(blas.handle(), args.dtype,
-                   {.m = args.m,
-                    .n = args.n,
-                    .k = args.kc,
-                    .weight = args.w_c,
-                    .ld_weight = args.kc,
-                    .inputs = args.e_c,
-                    .input_stride = args.kc * args.n,
-                    .outputs = args.out,
-                    .output_type = output_type,
-                    .batch = args.num_candidates});
+  // output[i] = round(weight @ inputs[i]): weight [M, K] with rows K apart,
+  // inputs [batch, K, N], outputs [batch, M, N], all in the dtype.
+  const auto gemm = [&](const void* weight, std::int64_t k, const void* inputs, void* outputs,
+                        std::int64_t batch) {
+    run_batched_gemm(blas.handle(), args.dtype,
+                     {.m = args.m,
+                      .n = args.n,
+                      .k = k,
+                      .weight = weight,
+                      .ld_weight = k,
+                      .inputs = inputs,
+                      .input_stride = k * args.n,
+                      .outputs = outputs,
+                      .output_type = cuda_data_type(args.dtype),
+                      .batch = batch});
+  };
+  gemm(args.w_u, args.ku, args.e_u, workspace, args.num_users);
+  gemm(args.w_c, args.kc, args.e_c, args.out, args.num_candidates);
   gather_add(args.dtype, args.out, workspace, args.cand_to_user, args.num_candidates,
              args.m * args.n, stream);
 }
