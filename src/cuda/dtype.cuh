@@ -40,7 +40,7 @@ __device__ __forceinline__ Element from_float(float value) {
   }
 }
 
-// kVector elements moved as one load or store (16 bytes: 8 halves, 4 floats).
+// kVector elements moved as one load or store, aligned to their whole size.
 template <typename Element, int kVector>
 struct alignas(sizeof(Element) * kVector) Vector {
   Element lanes[kVector];
