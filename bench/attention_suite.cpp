@@ -105,7 +105,7 @@ std::vector<Record> run_attention_suite(const BenchContext& context) {
         {"B", batch},      {"ratio", layout.shape.ratio}, {"U", layout.users}, {"S", seq_len},
         {"H", dims.heads}, {"n_seed", dims.n_seed},       {"D", dims.head_dim}};
     if (dims.jagged) fields.push_back({"kv_rows", layout.kv_rows});
-    ShapeRecords records(context, "attention", std::move(fields),
+    ShapeRecords records(context, "attention", kAttentionVariants, std::move(fields),
                          attention_work(dims, layout, dtype), dims.jagged);
     try {
       const CandidateMap map =

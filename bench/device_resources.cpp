@@ -85,17 +85,18 @@ void DeviceStream::synchronize() const {
 #endif
 }
 
-std::optional<std::string> replication_blocker(Device device, std::size_t bytes) {
+std::optional<std::string> replication_blocker(Device device, std::size_t bytes,
+                                               std::string_view what) {
   if (!device.is_cuda()) {
     if (bytes <= kCpuReplicationLimit) return std::nullopt;
-    return "replicated tensors need " + format_bytes(bytes) + ", over the CPU limit of " +
+    return std::string(what) + " need " + format_bytes(bytes) + ", over the CPU limit of " +
            format_bytes(kCpuReplicationLimit);
   }
 #ifdef IKBO_WITH_CUDA
   std::size_t free_bytes = 0, total_bytes = 0;
   IKBO_BENCH_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   if (bytes + kGpuMemoryMargin <= free_bytes) return std::nullopt;
-  return "replicated tensors need " + format_bytes(bytes) + ", " + format_bytes(free_bytes) +
+  return std::string(what) + " need " + format_bytes(bytes) + ", " + format_bytes(free_bytes) +
          " of GPU memory free (" + format_bytes(kGpuMemoryMargin) + " kept as margin)";
 #else
   no_cuda_build();

@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "ikbo/tensor.hpp"
 
@@ -60,10 +61,11 @@ class DeviceStream {
   Stream stream_ = nullptr;
 };
 
-// Why `bytes` of replicated tensors cannot be allocated on `device`, or
-// nothing when they fit: on a GPU the free memory (less a margin for library
-// workspaces), on the CPU a fixed 8 GiB cap.
-std::optional<std::string> replication_blocker(Device device, std::size_t bytes);
+// Why `bytes` of replicated tensors (or the copies `what` names) cannot be
+// allocated on `device`, or nothing when they fit: on a GPU the free memory
+// (less a margin for library workspaces), on the CPU a fixed 8 GiB cap.
+std::optional<std::string> replication_blocker(Device device, std::size_t bytes,
+                                               std::string_view what = "replicated tensors");
 
 // The GPU's name, or the CPU model from /proc/cpuinfo.
 std::string describe_device(Device device);

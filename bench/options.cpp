@@ -14,7 +14,12 @@ constexpr std::string_view kUsage = R"(usage: ikbo-bench [lce|attention|all] [op
 Times the library's IKBO ops ("ikbo") against the broadcast baselines
 ("broadcast": the op on pre-replicated user tensors; "broadcast+copy": the
 replication copy included) and reports each against the roofline measured at
-the start of the run.
+the start of the run. For LCE it also times the published staircase's stages
+(CUDA only): "decomposed" (cuBLAS user GEMM at U items and candidate GEMM at
+B on the given K, then a gather-add of the user result), "aligned" (the same
+with K zero-padded to a multiple of 8 beforehand) and "fused" (Hopper GPUs:
+the user GEMM in its own launch, then the candidate GEMM adding it in its
+epilogue).
 
   --device cpu|cuda[:N]  default: cuda if a GPU is visible, else cpu
   --dtype f16|bf16|f32   default: f16 on a GPU, f32 on the CPU

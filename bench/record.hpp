@@ -22,7 +22,8 @@ enum class Outcome { measured, skipped, failed };
 
 struct Record {
   std::string suite;    // "lce" | "attention"
-  std::string variant;  // "ikbo" | "broadcast" | "broadcast+copy"
+  // "ikbo" | "broadcast" | "broadcast+copy"; lce also "decomposed" | "aligned" | "fused"
+  std::string variant;
   DType dtype = DType::f16;
   std::vector<ShapeField> shape;
   std::optional<bool> jagged;  // attention only

@@ -2,22 +2,11 @@
 #include "suite.hpp"
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <exception>
 #include <iostream>
 
 namespace ikbo::bench {
-namespace {
-
-constexpr std::array<std::string_view, 3> kVariantOrder{kIkbo, kBroadcast, kBroadcastCopy};
-
-std::size_t variant_rank(std::string_view variant) {
-  return static_cast<std::size_t>(std::find(kVariantOrder.begin(), kVariantOrder.end(), variant) -
-                                  kVariantOrder.begin());
-}
-
-}  // namespace
 
 std::string describe_shape(const std::vector<ShapeField>& shape) {
   std::string text;
@@ -29,9 +18,11 @@ std::string describe_shape(const std::vector<ShapeField>& shape) {
 }
 
 ShapeRecords::ShapeRecords(const BenchContext& context, std::string suite,
+                           std::span<const std::string_view> variants,
                            std::vector<ShapeField> shape, Work work, std::optional<bool> jagged)
     : context_(context),
       suite_(std::move(suite)),
+      variants_(variants),
       shape_(std::move(shape)),
       work_(work),
       jagged_(jagged) {}
@@ -87,7 +78,7 @@ void ShapeRecords::skip(std::string_view variant, std::string reason) {
 }
 
 void ShapeRecords::fail_remaining(std::string_view error) {
-  for (std::string_view variant : kVariantOrder) {
+  for (std::string_view variant : variants_) {
     const bool recorded = std::any_of(records_.begin(), records_.end(), [&](const Record& record) {
       return record.variant == variant;
     });
@@ -100,9 +91,11 @@ void ShapeRecords::fail_remaining(std::string_view error) {
 }
 
 std::vector<Record> ShapeRecords::finish() {
-  std::stable_sort(records_.begin(), records_.end(), [](const Record& a, const Record& b) {
-    return variant_rank(a.variant) < variant_rank(b.variant);
-  });
+  const auto rank = [&](const Record& record) {
+    return std::find(variants_.begin(), variants_.end(), record.variant) - variants_.begin();
+  };
+  std::stable_sort(records_.begin(), records_.end(),
+                   [&](const Record& a, const Record& b) { return rank(a) < rank(b); });
   auto median_of = [&](std::string_view variant) -> std::optional<double> {
     for (const auto& record : records_) {
       if (record.variant == variant && record.outcome == Outcome::measured) return record.median_ms;

@@ -1,14 +1,22 @@
 // suite.hpp — what the LCE and attention suites share: the run context, the
-// three variants timed at every shape, and how a shape's records are made.
+// variants timed at every shape, and how a shape's records are made.
 //
 // Variants, in table order:
 //   ikbo            the library's default path (ikbo::lce / ikbo::attention)
 //   broadcast       the standard way, on user tensors replicated beforehand
 //   broadcast+copy  the same with the replication copy inside the timed region
+// and for LCE the published staircase's stages between those and ikbo:
+//   decomposed      user GEMM at U items + candidate GEMM at B (cuBLAS, the
+//                   caller's K) + gather-add of the small user result
+//   aligned         the same on copies with K zero-padded to a multiple of 8
+//   fused           the Hopper kernel with the user GEMM in a launch of its
+//                   own and the user add in the candidate GEMM's epilogue
 #pragma once
 
+#include <array>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,6 +31,15 @@ namespace ikbo::bench {
 inline constexpr std::string_view kIkbo = "ikbo";
 inline constexpr std::string_view kBroadcast = "broadcast";
 inline constexpr std::string_view kBroadcastCopy = "broadcast+copy";
+inline constexpr std::string_view kDecomposed = "decomposed";
+inline constexpr std::string_view kAligned = "aligned";
+inline constexpr std::string_view kFused = "fused";
+
+// Each suite's variants, in table order.
+inline constexpr std::array<std::string_view, 6> kLceVariants{
+    kIkbo, kBroadcast, kBroadcastCopy, kDecomposed, kAligned, kFused};
+inline constexpr std::array<std::string_view, 3> kAttentionVariants{kIkbo, kBroadcast,
+                                                                    kBroadcastCopy};
 
 struct BenchContext {
   const Options& options;
@@ -44,8 +61,10 @@ struct Work {
 // skipped or how it failed, then adds the speedups between variants.
 class ShapeRecords {
  public:
-  ShapeRecords(const BenchContext& context, std::string suite, std::vector<ShapeField> shape,
-               Work work, std::optional<bool> jagged = std::nullopt);
+  // `variants`: the suite's variants in table order (kLceVariants, ...).
+  ShapeRecords(const BenchContext& context, std::string suite,
+               std::span<const std::string_view> variants, std::vector<ShapeField> shape, Work work,
+               std::optional<bool> jagged = std::nullopt);
 
   // Times `op` (warm-up and reps from the options). An exception from the op
   // becomes a failed record; the run goes on.
@@ -64,6 +83,7 @@ class ShapeRecords {
 
   const BenchContext& context_;
   std::string suite_;
+  std::span<const std::string_view> variants_;
   std::vector<ShapeField> shape_;
   Work work_;
   std::optional<bool> jagged_;

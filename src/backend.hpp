@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "api/state.hpp"
 #include "ikbo/attention.hpp"
@@ -103,6 +105,28 @@ void attention(const AttentionArgs& args);
 void gather_rows(const GatherRowsArgs& args);
 }  // namespace cpu
 
+// The published LCE staircase's "decomposed" stage, a benchmark baseline:
+//   user_out[u] = round(w_u @ e_u[u])        cuBLAS, fp32 accumulation, U items
+//   out[b]      = round(w_c @ e_c[b])        cuBLAS, fp32 accumulation, B items
+//   out[b]      = round(out[b] + user_out[cand_to_user[b]])   the gather-add
+// on the weights and inputs exactly as given (weight rows K elements apart),
+// two roundings as in the published kernels. Run on K-padded copies it is
+// the "aligned" stage. CUDA only.
+struct LceDecomposedArgs {
+  DType dtype = DType::f16;
+  Device device{};
+  std::int64_t m = 0, n = 0, ku = 0, kc = 0, num_candidates = 0, num_users = 0;
+  const void* w_c = nullptr;                   // [M, Kc]
+  const void* w_u = nullptr;                   // [M, Ku]
+  const void* e_c = nullptr;                   // [B, Kc, N]
+  const void* e_u = nullptr;                   // [U, Ku, N]
+  const std::int32_t* cand_to_user = nullptr;  // [B], device memory
+  void* out = nullptr;                         // [B, M, N]
+  Stream stream = nullptr;
+  void* workspace = nullptr;  // 256-byte aligned
+  std::size_t workspace_bytes = 0;
+};
+
 namespace cuda {
 // Copies the weights to `device` with padded K stride (zero padding).
 LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std::int64_t ku,
@@ -110,6 +134,16 @@ LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std:
 std::size_t lce_workspace_bytes(const LcePlan::State& plan, std::int64_t n,
                                 std::int64_t num_candidates, std::int64_t num_users);
 void lce(const LceArgs& args);
+// Workspace of lce_decomposed: user_out [U, M, N] and cuBLAS scratch.
+std::size_t lce_decomposed_workspace_bytes(DType dtype, std::int64_t m, std::int64_t n,
+                                           std::int64_t num_users);
+void lce_decomposed(const LceDecomposedArgs& args);
+// The published staircase's "fused" stage, a benchmark baseline: the Hopper
+// kernel (sm90/lce_sm90.cu) with the user GEMM in a launch of its own and
+// the candidate GEMM adding the user partial in its epilogue. Why it cannot
+// run these (lce-validated) args, or nullopt when it can.
+std::optional<std::string> lce_fused_blocker(const LceArgs& args);
+void lce_fused(const LceArgs& args);  // lce_fused_blocker must be nullopt
 // Copies the weights and bias to `device` with padded K stride (zero padding).
 LinearPlan::State prepare_linear_plan(const LinearWeights& weights, Device device, Stream stream);
 std::size_t linear_workspace_bytes(const LinearPlan::State& plan, std::int64_t num_candidates,
@@ -130,6 +164,8 @@ std::shared_ptr<void> allocate(std::size_t bytes, Device device);
 // Synchronous (stream-ordered on `stream`, then the stream is synchronized).
 void copy_to_device(void* dst, const void* src, std::size_t bytes, Device device, Stream stream);
 void copy_to_host(void* dst, const void* src, std::size_t bytes, Device device, Stream stream);
+// Zeroes `bytes` bytes at `dst`, stream-ordered on `stream` (not synchronized).
+void zero(void* dst, std::size_t bytes, Device device, Stream stream);
 }  // namespace device
 
 }  // namespace ikbo::detail

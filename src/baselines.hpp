@@ -1,11 +1,16 @@
 // Internal: the standard (broadcast) way of computing the IKBO ops, kept as
 // test oracles and as the baselines ikbo-bench compares against. Each
-// baseline first replicates user-side tensors to the candidate batch (the
-// copy IKBO avoids), then runs the op as if every candidate had its own user.
+// broadcast baseline first replicates user-side tensors to the candidate
+// batch (the copy IKBO avoids), then runs the op as if every candidate had
+// its own user. For LCE, the stages of the published optimization staircase
+// between broadcast and IKBO are baselines too (decomposed, aligned, fused).
 // Tensors follow the public layouts; the device is taken from the inputs.
 #pragma once
 
+#include <cstddef>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "api/state.hpp"
 #include "ikbo/ikbo.hpp"
@@ -25,6 +30,34 @@ void replicate_lce_input(const Tensor& e_c, const Tensor& e_u, const CandidateMa
 std::size_t lce_concat_workspace_bytes(const LcePlan::State& plan, const Tensor& e_full);
 void lce_concat(const LcePlan::State& plan, const Tensor& e_full, const Tensor& out,
                 Stream stream = nullptr, Workspace workspace = {});
+
+// ---- The LCE staircase ----
+// "decomposed" (published stage 1): user_out[u] = w_u @ e_u[u] and
+// out[b] = w_c @ e_c[b] as two cuBLAS GEMMs (fp32 accumulation, each result
+// rounded to the dtype), then the gather-add out[b] += user_out[cand_to_user[b]]
+// (rounded again), on the caller's weights w_c [M, Kc], w_u [M, Ku] and
+// inputs exactly as given. "aligned" (stage 2) is the same call on copies
+// whose K was zero-padded to a multiple of 8 beforehand (pad_k). CUDA only:
+// on the CPU, ikbo::lce itself computes the decomposed form.
+std::size_t lce_decomposed_workspace_bytes(const Tensor& w_c, const Tensor& e_c, const Tensor& e_u);
+void lce_decomposed(const Tensor& w_c, const Tensor& w_u, const Tensor& e_c, const Tensor& e_u,
+                    const CandidateMap& map, const Tensor& out, Stream stream = nullptr,
+                    Workspace workspace = {});
+
+// dst = src with dimension 1 (K) zero-padded to dst's extent:
+// [rows, K] -> [rows, K'] or [batch, K, N] -> [batch, K', N]. Stream-ordered.
+void pad_k(const Tensor& src, const Tensor& dst, Stream stream = nullptr);
+
+// "fused" (stage 3): ikbo::lce's call (same arguments, same workspace) on the
+// Hopper kernel with the user GEMM in a launch of its own, then the
+// candidate GEMM adding the user partial in its epilogue. lce_fused_blocker
+// says why this call cannot run here (not a Hopper GPU, shapes the kernel
+// does not take, ...), or nullopt; lce_fused throws with that reason.
+std::optional<std::string> lce_fused_blocker(const LcePlan& plan, const Tensor& e_c,
+                                             const Tensor& e_u, const CandidateMap& map,
+                                             const Tensor& out, Workspace workspace);
+void lce_fused(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const CandidateMap& map,
+               const Tensor& out, Stream stream = nullptr, Workspace workspace = {});
 
 // The copy for attention: kv_full[b] = kv[cand_to_user[b]], dense [U, S, H, D] -> [B, S, H, D].
 // Attention on the copies is ikbo::attention with CandidateMap::identity(B).

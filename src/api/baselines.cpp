@@ -1,5 +1,8 @@
-// Broadcast baselines: replicate user-side tensors, then compute per candidate.
+// Broadcast baselines (replicate user-side tensors, then compute per
+// candidate) and the stages of the LCE staircase.
 #include "baselines.hpp"
+
+#include <cstring>
 
 #include "api/validate.hpp"
 #include "backend.hpp"
@@ -18,6 +21,48 @@ void gather(detail::GatherRowsArgs args, Device device) {
 
 const std::int32_t* map_index(const CandidateMap& map, Device device) {
   return device.is_cuda() ? map.device_view().cand_to_user : map.cand_to_user().data();
+}
+
+void require_cuda(const Tensor& tensor, const char* op) {
+  detail::require(tensor.device.is_cuda(), op, " runs on CUDA only (the staircase baselines are ",
+                  "cuBLAS and Hopper kernels), got tensors on ", device_name(tensor.device));
+}
+
+// Checks the operands of lce_decomposed (all but out and the workspace);
+// returns the backend arguments they give.
+detail::LceDecomposedArgs check_decomposed_inputs(const Tensor& w_c, const Tensor& w_u,
+                                                  const Tensor& e_c, const Tensor& e_u,
+                                                  const CandidateMap* map) {
+  require_cuda(w_c, "lce_decomposed");
+  detail::check_float_dtype(w_c.dtype, "w_c");
+  detail::check_tensor(w_c, "w_c", w_c.dtype, w_c.device, 2);
+  detail::check_tensor(e_c, "e_c", w_c.dtype, w_c.device, 3);
+  detail::check_tensor(e_u, "e_u", w_c.dtype, w_c.device, 3);
+  detail::check_dim(e_c, "e_c", 1, w_c.size(1), "Kc of w_c");
+  detail::check_dim(e_u, "e_u", 2, e_c.size(2), "N of e_c");
+  detail::LceDecomposedArgs args;
+  args.dtype = w_c.dtype;
+  args.device = w_c.device;
+  args.m = w_c.size(0);
+  args.n = e_c.size(2);
+  args.kc = w_c.size(1);
+  args.num_candidates = e_c.size(0);
+  args.num_users = e_u.size(0);
+  if (map == nullptr) return args;  // the workspace query needs no more
+  detail::check_tensor(w_u, "w_u", w_c.dtype, w_c.device, 2);
+  detail::check_dim(w_u, "w_u", 0, args.m, "M of w_c");
+  detail::check_dim(e_u, "e_u", 1, w_u.size(1), "Ku of w_u");
+  detail::check_map(*map, e_c, "e_c", &e_u, "e_u", w_c.device, "w_c");
+  args.ku = w_u.size(1);
+  detail::require(args.m >= 1 && args.kc >= 1 && args.ku >= 1 && args.n >= 1,
+                  "lce_decomposed needs M, Kc, Ku and N >= 1, got ", args.m, ", ", args.kc, ", ",
+                  args.ku, ", ", args.n);
+  args.w_c = w_c.data;
+  args.w_u = w_u.data;
+  args.e_c = e_c.data;
+  args.e_u = e_u.data;
+  args.cand_to_user = map->device_view().cand_to_user;
+  return args;
 }
 
 }  // namespace
@@ -72,6 +117,73 @@ void lce_concat(const LcePlan::State& plan, const Tensor& e_full, const Tensor& 
   } else {
     detail::cpu::lce(args);
   }
+}
+
+std::size_t lce_decomposed_workspace_bytes(const Tensor& w_c, const Tensor& e_c,
+                                           const Tensor& e_u) {
+  const auto args = check_decomposed_inputs(w_c, Tensor(), e_c, e_u, nullptr);
+  return detail::cuda::lce_decomposed_workspace_bytes(args.dtype, args.m, args.n, args.num_users);
+}
+
+void lce_decomposed(const Tensor& w_c, const Tensor& w_u, const Tensor& e_c, const Tensor& e_u,
+                    const CandidateMap& map, const Tensor& out, Stream stream,
+                    Workspace workspace) {
+  auto args = check_decomposed_inputs(w_c, w_u, e_c, e_u, &map);
+  detail::check_tensor(out, "out", args.dtype, args.device, 3);
+  detail::check_shape(out, "out", {args.num_candidates, args.m, args.n}, "[B, M, N]");
+  detail::check_no_overlap(out, "out", e_c, "e_c");
+  detail::check_no_overlap(out, "out", e_u, "e_u");
+  detail::check_workspace(
+      workspace,
+      detail::cuda::lce_decomposed_workspace_bytes(args.dtype, args.m, args.n, args.num_users),
+      "lce_decomposed_workspace_bytes");
+  args.out = out.data;
+  args.stream = stream;
+  args.workspace = workspace.data;
+  args.workspace_bytes = workspace.bytes;
+  detail::cuda::lce_decomposed(args);
+}
+
+void pad_k(const Tensor& src, const Tensor& dst, Stream stream) {
+  detail::require(src.rank == 2 || src.rank == 3, "src must be [rows, K] or [batch, K, N], got ",
+                  src.shape_string());
+  detail::check_tensor(src, "src", src.dtype, src.device, src.rank);
+  detail::check_tensor(dst, "dst", src.dtype, src.device, src.rank);
+  for (int dim = 0; dim < src.rank; ++dim) {
+    if (dim != 1) detail::check_dim(dst, "dst", dim, src.size(dim), "the same dimension of src");
+  }
+  detail::require(dst.size(1) >= src.size(1), "dst dimension 1 (K) must be >= src's ", src.size(1),
+                  ", got ", dst.size(1));
+  detail::check_no_overlap(dst, "dst", src, "src");
+  const std::int64_t rows = src.size(0);
+  if (rows == 0) return;
+  const auto element = static_cast<std::int64_t>(dtype_size(src.dtype));
+  const std::int64_t src_row = src.numel() / rows * element;
+  const std::int64_t dst_row = dst.numel() / rows * element;
+  const auto dst_bytes = static_cast<std::size_t>(rows * dst_row);
+  if (src.device.is_cuda()) {
+    detail::device::zero(dst.data, dst_bytes, dst.device, stream);
+  } else {
+    std::memset(dst.data, 0, dst_bytes);
+  }
+  gather({dst.data, dst_row, src.data, src_row, src_row, nullptr, rows, {}, stream}, src.device);
+}
+
+std::optional<std::string> lce_fused_blocker(const LcePlan& plan, const Tensor& e_c,
+                                             const Tensor& e_u, const CandidateMap& map,
+                                             const Tensor& out, Workspace workspace) {
+  const detail::LceArgs args = detail::check_lce_call(plan, e_c, e_u, map, out, nullptr, workspace);
+  if (!plan.device().is_cuda()) {
+    return "the fused stage is a Hopper kernel; on the CPU, ikbo::lce computes the decomposed "
+           "form";
+  }
+  return detail::cuda::lce_fused_blocker(args);
+}
+
+void lce_fused(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const CandidateMap& map,
+               const Tensor& out, Stream stream, Workspace workspace) {
+  require_cuda(e_c, "lce_fused");
+  detail::cuda::lce_fused(detail::check_lce_call(plan, e_c, e_u, map, out, stream, workspace));
 }
 
 void replicate_kv(const Tensor& kv, const CandidateMap& map, const Tensor& kv_full,

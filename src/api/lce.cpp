@@ -69,24 +69,36 @@ std::size_t lce_workspace_bytes(const LcePlan& plan, const Tensor& e_c, const Te
 
 void lce(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const CandidateMap& map,
          const Tensor& out, Stream stream, Workspace workspace) {
-  auto args = check_inputs(plan, e_c, e_u, map);
-  check_tensor(out, "out", plan.dtype(), plan.device(), 3);
-  detail::check_shape(out, "out", {args.num_candidates, plan.m(), args.n}, "[B, M, N]");
-  detail::check_no_overlap(out, "out", e_c, "e_c");
-  detail::check_no_overlap(out, "out", e_u, "e_u");
-  args.out = out.data;
-  args.stream = stream;
-  args.workspace = workspace.data;
-  args.workspace_bytes = workspace.bytes;
+  const detail::LceArgs args = detail::check_lce_call(plan, e_c, e_u, map, out, stream, workspace);
   if (args.num_candidates == 0) return;
   if (plan.device().is_cuda()) {
-    std::size_t needed = detail::cuda::lce_workspace_bytes(plan.state(), args.n,
-                                                           args.num_candidates, args.num_users);
-    detail::check_workspace(workspace, needed, "lce_workspace_bytes");
     detail::cuda::lce(args);
   } else {
     detail::cpu::lce(args);
   }
 }
 
+namespace detail {
+
+LceArgs check_lce_call(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u,
+                       const CandidateMap& map, const Tensor& out, Stream stream,
+                       Workspace workspace) {
+  auto args = check_inputs(plan, e_c, e_u, map);
+  check_tensor(out, "out", plan.dtype(), plan.device(), 3);
+  check_shape(out, "out", {args.num_candidates, plan.m(), args.n}, "[B, M, N]");
+  check_no_overlap(out, "out", e_c, "e_c");
+  check_no_overlap(out, "out", e_u, "e_u");
+  args.out = out.data;
+  args.stream = stream;
+  args.workspace = workspace.data;
+  args.workspace_bytes = workspace.bytes;
+  if (args.num_candidates > 0 && plan.device().is_cuda()) {
+    const std::size_t needed =
+        cuda::lce_workspace_bytes(plan.state(), args.n, args.num_candidates, args.num_users);
+    check_workspace(workspace, needed, "lce_workspace_bytes");
+  }
+  return args;
+}
+
+}  // namespace detail
 }  // namespace ikbo

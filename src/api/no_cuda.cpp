@@ -20,6 +20,7 @@ void require(Device device, const char* what) {
 std::shared_ptr<void> allocate(std::size_t, Device) { no_cuda("an allocation"); }
 void copy_to_device(void*, const void*, std::size_t, Device, Stream) { no_cuda("a copy"); }
 void copy_to_host(void*, const void*, std::size_t, Device, Stream) { no_cuda("a copy"); }
+void zero(void*, std::size_t, Device, Stream) { no_cuda("a buffer to zero"); }
 }  // namespace device
 
 namespace cuda {
@@ -32,6 +33,12 @@ std::size_t lce_workspace_bytes(const LcePlan::State&, std::int64_t, std::int64_
   no_cuda("the plan");
 }
 void lce(const LceArgs&) { no_cuda("e_c"); }
+std::size_t lce_decomposed_workspace_bytes(DType, std::int64_t, std::int64_t, std::int64_t) {
+  no_cuda("e_c");
+}
+void lce_decomposed(const LceDecomposedArgs&) { no_cuda("e_c"); }
+std::optional<std::string> lce_fused_blocker(const LceArgs&) { no_cuda("the plan"); }
+void lce_fused(const LceArgs&) { no_cuda("the plan"); }
 LinearPlan::State prepare_linear_plan(const LinearWeights&, Device, Stream) { no_cuda("w_u"); }
 std::size_t linear_workspace_bytes(const LinearPlan::State&, std::int64_t, std::int64_t) {
   no_cuda("the plan");

@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "backend.hpp"
 #include "ikbo/candidate_map.hpp"
 #include "ikbo/error.hpp"
 #include "ikbo/tensor.hpp"
@@ -59,5 +60,12 @@ void check_map(const CandidateMap& map, const Tensor& candidates, std::string_vi
 // Checks that two buffers do not overlap (outputs must not alias inputs).
 void check_no_overlap(const Tensor& out, std::string_view out_name, const Tensor& in,
                       std::string_view in_name);
+
+// Every check of ikbo::lce (workspace included, for a call with candidates);
+// returns the call's backend arguments. Defined in src/api/lce.cpp; the
+// staircase baselines reuse it.
+LceArgs check_lce_call(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u,
+                       const CandidateMap& map, const Tensor& out, Stream stream,
+                       Workspace workspace);
 
 }  // namespace ikbo::detail

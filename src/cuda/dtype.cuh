@@ -1,7 +1,8 @@
 // src/cuda/dtype.cuh — the element types behind ikbo::DType on the device:
 // the C++ type of each floating dtype, conversions to and from the fp32 the
-// kernels compute in, the matching cudaDataType, and the one switch that
-// turns a runtime DType into a compile-time element type.
+// kernels compute in, vectors of elements for wide loads and stores, the
+// matching cudaDataType, and the one switch that turns a runtime DType into
+// a compile-time element type.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +39,12 @@ __device__ __forceinline__ Element from_float(float value) {
     return value;
   }
 }
+
+// kVector elements moved as one load or store, aligned to their whole size.
+template <typename Element, int kVector>
+struct alignas(sizeof(Element) * kVector) Vector {
+  Element lanes[kVector];
+};
 
 inline cudaDataType_t cuda_data_type(DType dtype) {
   switch (dtype) {

@@ -132,5 +132,10 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes, Device device, 
   IKBO_CUDA_CHECK(cudaStreamSynchronize(cuda_stream));
 }
 
+void zero(void* dst, std::size_t bytes, Device device, Stream stream) {
+  cuda::DeviceGuard guard(device.index);
+  IKBO_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::to_cuda_stream(stream)));
+}
+
 }  // namespace device
 }  // namespace ikbo::detail

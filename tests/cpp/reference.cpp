@@ -254,6 +254,8 @@ testing::AssertionResult matches_reference(std::span<const double> actual,
                 << dtype_name(dtype) << ")";
 }
 
+void PrintTo(const LceCase& value, std::ostream* stream) { *stream << value.name; }
+
 std::vector<double> reference_lce(const LceShape& shape, std::span<const double> w_c,
                                   std::span<const double> w_u, std::span<const double> e_c,
                                   std::span<const double> e_u,

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <ostream>
 #include <random>
 #include <span>
 #include <string>
@@ -101,6 +102,13 @@ testing::AssertionResult matches_reference(std::span<const double> actual,
 struct LceShape {
   std::int64_t m = 0, kc = 0, ku = 0, n = 0, num_candidates = 0, num_users = 0;
 };
+// A named shape and map order: a case of the parametrized LCE tests.
+struct LceCase {
+  const char* name;
+  LceShape shape;  // m, kc, ku, n, num_candidates, num_users
+  MapOrder order;
+};
+void PrintTo(const LceCase& value, std::ostream* stream);  // the name, in test output
 std::vector<double> reference_lce(const LceShape& shape, std::span<const double> w_c,
                                   std::span<const double> w_u, std::span<const double> e_c,
                                   std::span<const double> e_u,

@@ -13,14 +13,6 @@
 namespace ikbo::test {
 namespace {
 
-struct LceCase {
-  const char* name;
-  LceShape shape;  // m, kc, ku, n, num_candidates, num_users
-  MapOrder order;
-};
-
-void PrintTo(const LceCase& value, std::ostream* stream) { *stream << value.name; }
-
 const std::vector<LceCase>& lce_cases() {
   static const std::vector<LceCase> cases = {
       {"reference_widths", {433, 866, 1178, 5, 6, 3}, MapOrder::unsorted},

@@ -140,16 +140,8 @@ class LceSm90Test : public testing::Test {
   }
 };
 
-struct Sm90Case {
-  const char* name;
-  LceShape shape;  // m, kc, ku, n, num_candidates, num_users
-  MapOrder order;
-};
-
-void PrintTo(const Sm90Case& value, std::ostream* stream) { *stream << value.name; }
-
-const std::vector<Sm90Case>& sm90_cases() {
-  static const std::vector<Sm90Case> cases = {
+const std::vector<LceCase>& sm90_cases() {
+  static const std::vector<LceCase> cases = {
       {"reference_widths", {433, 866, 1178, 256, 8, 3}, MapOrder::unsorted},
       {"m128_k1024", {128, 1024, 1024, 256, 9, 4}, MapOrder::unsorted},
       {"k1023_k1025_empty_users", {433, 1023, 1025, 256, 10, 5}, MapOrder::uneven_unsorted},
@@ -166,7 +158,7 @@ const std::vector<Sm90Case>& sm90_cases() {
   return cases;
 }
 
-using Sm90Param = std::tuple<DType, Sm90Case>;
+using Sm90Param = std::tuple<DType, LceCase>;
 
 class LceSm90VsReference : public testing::TestWithParam<Sm90Param> {
  protected:
@@ -174,7 +166,7 @@ class LceSm90VsReference : public testing::TestWithParam<Sm90Param> {
     if (const auto reason = sm90_unavailable_reason()) GTEST_SKIP() << *reason;
   }
   DType dtype() const { return std::get<0>(GetParam()); }
-  const Sm90Case& sm90_case() const { return std::get<1>(GetParam()); }
+  const LceCase& sm90_case() const { return std::get<1>(GetParam()); }
 };
 
 TEST_P(LceSm90VsReference, MatchesFp64ReferenceAndCublasErrorAndRepeatsBitwise) {

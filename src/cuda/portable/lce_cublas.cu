@@ -34,9 +34,7 @@
 // partials, for the candidate part inside the combine kernel, which reads
 // those few rows of e_c and columns of w_c (both cache resident).
 //
-// Row-major -> cuBLAS column-major: a row-major [M, N] matrix is a
-// column-major [N, M] one, so out[b] = w @ e[b] is computed as
-// out[b]^T (N x M) = e[b]^T (N x K) @ w^T (K x M) with no transposes.
+// The GEMMs are strided-batched cuBLAS calls (batched_gemm.cuh).
 //
 // Workspace (each region 256-byte aligned, plus slack to align the caller's
 // pointer): [user partials U*M*N fp32][candidate partials chunk*M*N fp32]
@@ -48,6 +46,7 @@
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/portable/batched_gemm.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/sm90/lce_sm90.hpp"
 
@@ -99,40 +98,10 @@ KSplit split_k(std::int64_t k) {
   return k > tail ? KSplit{k - tail, tail} : KSplit{k, 0};
 }
 
-// outputs[i] = weight @ inputs[i] (or += with `accumulate`) for `batch`
-// row-major problems; the weight is shared by all of them.
-struct BatchedGemm {
-  std::int64_t m = 0, n = 0, k = 0;
-  const void* weight = nullptr;  // [m, k], rows ld_weight elements apart
-  std::int64_t ld_weight = 0;
-  const void* inputs = nullptr;  // [k, n] each, input_stride elements apart
-  std::int64_t input_stride = 0;
-  void* outputs = nullptr;  // dense [m, n] each
-  cudaDataType_t output_type = CUDA_R_32F;
-  std::int64_t batch = 0;
-  bool accumulate = false;
-};
-
-void run_batched_gemm(cublasHandle_t handle, DType input_dtype, const BatchedGemm& gemm) {
-  const float alpha = 1.0f, beta = gemm.accumulate ? 1.0f : 0.0f;
-  const cudaDataType_t input_type = cuda_data_type(input_dtype);
-  IKBO_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-      handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(gemm.n), static_cast<int>(gemm.m),
-      static_cast<int>(gemm.k), &alpha, gemm.inputs, input_type, static_cast<int>(gemm.n),
-      gemm.input_stride, gemm.weight, input_type, static_cast<int>(gemm.ld_weight), 0, &beta,
-      gemm.outputs, gemm.output_type, static_cast<int>(gemm.n), gemm.m * gemm.n,
-      static_cast<int>(gemm.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
 const void* advance(const void* pointer, std::int64_t elements, DType dtype) {
   return static_cast<const char*>(pointer) +
          elements * static_cast<std::int64_t>(dtype_size(dtype));
 }
-
-template <typename Element, int kVector>
-struct alignas(sizeof(Element) * kVector) Vector {
-  Element lanes[kVector];
-};
 
 // The K rows of the candidate GEMM left to the combine kernel (count < 8).
 template <typename Element>

@@ -111,11 +111,6 @@ void seed_with_bias(float* user_partials, const void* bias, std::int64_t num_use
   check_launch("seed_with_bias_kernel");
 }
 
-template <typename Element, int kVector>
-struct alignas(sizeof(Element) * kVector) Vector {
-  Element lanes[kVector];
-};
-
 // For the candidates b = first_candidate + local, local < count, of one chunk:
 //   out[b] = round(candidate_partials[local] + user_partials[cand_to_user[b]])
 // over rows of N_out elements handled as vectors of kVector (kVector divides

@@ -78,6 +78,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -682,6 +683,30 @@ void lce_sm90(const LceArgs& args, LceSm90Schedule schedule) {
       run_lce_sm90<Element>(args, schedule, max_clusters, stream);
     }
   });
+}
+
+std::optional<std::string> lce_fused_blocker(const LceArgs& args) {
+  const LcePlan::State& plan = *args.plan;
+  if (!lce_sm90_available(plan.device)) {
+    return "the fused stage is the Hopper LCE kernel: " + device_name(plan.device) +
+           " is not a compute capability 9.0 GPU, or this build carries no sm_90a code";
+  }
+  if (!lce_sm90_enabled()) return "the Hopper LCE path is disabled (IKBO_DISABLE_SM90)";
+  if (!lce_sm90_supported(plan, args.n, args.num_candidates, args.num_users)) {
+    return "the Hopper LCE kernel does not take this call (it needs f16 or bf16 and N a "
+           "multiple of 8)";
+  }
+  if (!lce_sm90_eligible(args)) {
+    return "the Hopper LCE kernel needs 16-byte aligned e_c, e_u and out and a workspace of "
+           "lce_workspace_bytes";
+  }
+  return std::nullopt;
+}
+
+void lce_fused(const LceArgs& args) {
+  if (args.num_candidates == 0) return;
+  if (const auto blocker = lce_fused_blocker(args)) throw RuntimeError("lce_fused: " + *blocker);
+  lce_sm90(args, LceSm90Schedule::user_launch_first);
 }
 
 bool lce_sm90_enabled() { return enabled_switch().load(); }
