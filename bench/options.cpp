@@ -4,7 +4,10 @@
 #include <charconv>
 #include <iostream>
 
+#include <algorithm>
+
 #include "ikbo/ikbo.hpp"
+#include "suite.hpp"
 
 namespace ikbo::bench {
 namespace {
@@ -34,6 +37,10 @@ epilogue).
   --reps n --warmup n    timed and untimed runs per record
                          (default 30 and 5 on a GPU, 5 and 1 on the CPU)
   --json FILE            also write the records as JSON
+  --variants list        time only these variants (comma separated names)
+  --profile              no timing: run each variant once between
+                         cudaProfilerStart/Stop, for Nsight Compute with
+                         --profile-from-start off (scripts/profile-variants)
   --quick                one shape per suite and fewer reps (a smoke run)
 
 Default shapes. GPU: LCE B in {512,1024,1536,2048,2560,3072} at ratio 70 and
@@ -158,6 +165,23 @@ Device parse_device(std::string_view text) {
   throw UsageError("--device expects cpu or cuda[:N], got '" + std::string(text) + "'");
 }
 
+std::vector<std::string> parse_variants(std::string_view text) {
+  std::vector<std::string> variants;
+  while (!text.empty()) {
+    const std::size_t comma = text.find(',');
+    const std::string_view name = text.substr(0, comma);
+    const bool known = std::find(kLceVariants.begin(), kLceVariants.end(), name) !=
+                           kLceVariants.end() ||
+                       std::find(kAttentionVariants.begin(), kAttentionVariants.end(), name) !=
+                           kAttentionVariants.end();
+    if (!known) throw UsageError("--variants: unknown variant '" + std::string(name) + "'");
+    variants.emplace_back(name);
+    text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+  }
+  if (variants.empty()) throw UsageError("--variants expects at least one name");
+  return variants;
+}
+
 // What the command line said; unset fields take the device's defaults.
 struct CommandLine {
   std::optional<Device> device;
@@ -254,6 +278,11 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
       given.warmup = static_cast<int>(parse_integer(value(), name, 0));
     } else if (name == "--json") {
       options.json_path = value();
+    } else if (name == "--variants") {
+      options.variants = parse_variants(value());
+    } else if (name == "--profile") {
+      flag();
+      options.profile = true;
     } else if (name == "--quick") {
       flag();
       given.quick = true;

@@ -58,6 +58,10 @@ struct Options {
   int reps = 0;
   int warmup = 0;
   std::string json_path;  // empty: no JSON
+  std::vector<std::string> variants;  // empty: every variant of each suite
+  // No timing: each selected variant runs once to warm up, then once between
+  // cudaProfilerStart/Stop, for `ncu --profile-from-start off`.
+  bool profile = false;
 };
 
 class UsageError : public std::runtime_error {

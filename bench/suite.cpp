@@ -53,9 +53,22 @@ void ShapeRecords::add(Record record) {
   records_.push_back(std::move(record));
 }
 
+bool ShapeRecords::selected(std::string_view variant) const {
+  const auto& chosen = context_.options.variants;
+  return chosen.empty() || std::find(chosen.begin(), chosen.end(), variant) != chosen.end();
+}
+
 void ShapeRecords::measure(std::string_view variant, const std::function<void()>& op) {
+  if (!selected(variant)) return;
   Record record = make_record(variant);
   try {
+    if (context_.options.profile) {
+      context_.timer.profile(op);
+      record.outcome = Outcome::skipped;
+      record.note = "profiled (--profile: not timed)";
+      add(std::move(record));
+      return;
+    }
     record.median_ms = context_.timer.median_ms(op, context_.options.warmup, context_.options.reps);
   } catch (const std::exception& error) {
     record.outcome = Outcome::failed;
@@ -71,6 +84,7 @@ void ShapeRecords::measure(std::string_view variant, const std::function<void()>
 }
 
 void ShapeRecords::skip(std::string_view variant, std::string reason) {
+  if (!selected(variant)) return;
   Record record = make_record(variant);
   record.outcome = Outcome::skipped;
   record.note = std::move(reason);
@@ -82,7 +96,7 @@ void ShapeRecords::fail_remaining(std::string_view error) {
     const bool recorded = std::any_of(records_.begin(), records_.end(), [&](const Record& record) {
       return record.variant == variant;
     });
-    if (recorded) continue;
+    if (recorded || !selected(variant)) continue;
     Record record = make_record(variant);
     record.outcome = Outcome::failed;
     record.note = error;

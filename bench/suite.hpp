@@ -78,6 +78,7 @@ class ShapeRecords {
   std::vector<Record> finish();
 
  private:
+  bool selected(std::string_view variant) const;  // by --variants
   Record make_record(std::string_view variant) const;
   void add(Record record);
 

@@ -9,6 +9,8 @@
 #include "ikbo/error.hpp"
 
 #ifdef IKBO_WITH_CUDA
+#include <cuda_profiler_api.h>
+
 #include "cuda_check.hpp"
 #endif
 
@@ -64,6 +66,22 @@ double Timer::median_ms(const std::function<void()>& op, int warmup, int reps) c
 double Timer::fastest_ms(const std::function<void()>& op, int warmup, int reps) const {
   const std::vector<double> samples = run_ms(op, warmup, reps);
   return *std::min_element(samples.begin(), samples.end());
+}
+
+void Timer::profile(const std::function<void()>& op) const {
+#ifdef IKBO_WITH_CUDA
+  if (device_.is_cuda()) {
+    const auto stream = static_cast<cudaStream_t>(stream_);
+    op();
+    IKBO_BENCH_CHECK(cudaStreamSynchronize(stream));
+    IKBO_BENCH_CHECK(cudaProfilerStart());
+    op();
+    IKBO_BENCH_CHECK(cudaStreamSynchronize(stream));
+    IKBO_BENCH_CHECK(cudaProfilerStop());
+    return;
+  }
+#endif
+  throw Error("--profile needs a CUDA device");
 }
 
 std::vector<double> Timer::run_ms_cpu(const std::function<void()>& op, int warmup, int reps) const {

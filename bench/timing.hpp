@@ -25,6 +25,9 @@ class Timer {
   std::vector<double> run_ms(const std::function<void()>& op, int warmup, int reps) const;
   double median_ms(const std::function<void()>& op, int warmup, int reps) const;
   double fastest_ms(const std::function<void()>& op, int warmup, int reps) const;
+  // Runs `op` once, then once more between cudaProfilerStart and
+  // cudaProfilerStop (CUDA devices only).
+  void profile(const std::function<void()>& op) const;
 
   Device device() const { return device_; }
   Stream stream() const { return stream_; }
