@@ -124,7 +124,7 @@ struct LceSm90Params {
   CUtensorMap user_activations, candidate_activations;
   // {K, M}, boxes {64 k, 112 m}: each CTA of a cluster loads one half
   CUtensorMap user_weights, candidate_weights;
-  CUtensorMap out;  // {N, M, B}, boxes {64 n, 112 m, 1}
+  CUtensorMap out;  // {N, M, B}, boxes {64 n, 32 m, 1}
   float* user_partials;  // [U][N block][M block][fragment order]
   int* user_ready;       // [U][N block][M block]: warpgroups that stored their part
   const std::int32_t* cand_to_user;
@@ -373,11 +373,12 @@ struct LceSm90Kernel {
       const int m0 = tile.m_block * kBlockM + store * kStagingRows;
       if (m0 >= params.m) break;
       Element* staging = shared.out[consumer][store % kStagingBuffers];
+      const std::uint32_t staging_address = ptx::shared_address(staging) + lane_offset;
 #pragma unroll
       for (int pair = 0; pair < kQuadsPerStore; pair += 2) {
         const int quad = store * kQuadsPerStore + pair;
         const int m_row = 8 * (pair + block / 2);  // first staged row of this lane's block
-        ptx::stmatrix_x4_trans(ptx::shared_address(staging) + lane_offset + m_row * kSwizzleRowBytes,
+        ptx::stmatrix_x4_trans(staging_address + m_row * kSwizzleRowBytes,
                                ptx::pack_pair<Element>(acc[4 * quad], acc[4 * quad + 1]),
                                ptx::pack_pair<Element>(acc[4 * quad + 2], acc[4 * quad + 3]),
                                ptx::pack_pair<Element>(acc[4 * quad + 4], acc[4 * quad + 5]),
@@ -538,20 +539,22 @@ constexpr CUtensorMapDataType kTensorMapType =
     std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 
-// e [batch, K, N] in boxes of 64 n x 64 k.
+// A dense [batch, rows, N] tensor (e: rows = K; out: rows = M) in boxes of
+// 64 n x box_rows rows of one batch item.
 template <typename Element>
-CUtensorMap activation_map(const void* e, std::int64_t n, std::int64_t k, std::int64_t batch) {
+CUtensorMap batched_map(const void* base, std::int64_t n, std::int64_t rows, std::int64_t batch,
+                        int box_rows) {
   ptx::TensorMapLayout layout;
   layout.rank = 3;
   layout.dims[0] = static_cast<cuuint64_t>(n);
-  layout.dims[1] = static_cast<cuuint64_t>(k);
+  layout.dims[1] = static_cast<cuuint64_t>(rows);
   layout.dims[2] = static_cast<cuuint64_t>(batch);
   layout.strides_bytes[0] = static_cast<cuuint64_t>(n * kElementBytes);
-  layout.strides_bytes[1] = static_cast<cuuint64_t>(k * n * kElementBytes);
+  layout.strides_bytes[1] = static_cast<cuuint64_t>(rows * n * kElementBytes);
   layout.box[0] = kWarpgroupBlockN;
-  layout.box[1] = kBlockK;
+  layout.box[1] = static_cast<cuuint32_t>(box_rows);
   layout.box[2] = 1;
-  return ptx::make_tensor_map(kTensorMapType<Element>, e, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+  return ptx::make_tensor_map(kTensorMapType<Element>, base, layout, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // w [M, K], rows `ld` elements apart, in boxes of 64 k x 112 m.
@@ -567,22 +570,6 @@ CUtensorMap weight_map(const void* w, std::int64_t k, std::int64_t ld, std::int6
   return ptx::make_tensor_map(kTensorMapType<Element>, w, layout, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// out [B, M, N] in boxes of 64 n x 112 m.
-template <typename Element>
-CUtensorMap output_map(void* out, std::int64_t n, std::int64_t m, std::int64_t batch) {
-  ptx::TensorMapLayout layout;
-  layout.rank = 3;
-  layout.dims[0] = static_cast<cuuint64_t>(n);
-  layout.dims[1] = static_cast<cuuint64_t>(m);
-  layout.dims[2] = static_cast<cuuint64_t>(batch);
-  layout.strides_bytes[0] = static_cast<cuuint64_t>(n * kElementBytes);
-  layout.strides_bytes[1] = static_cast<cuuint64_t>(m * n * kElementBytes);
-  layout.box[0] = kWarpgroupBlockN;
-  layout.box[1] = kStagingRows;
-  layout.box[2] = 1;
-  return ptx::make_tensor_map(kTensorMapType<Element>, out, layout, CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
 template <typename Element>
 void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_clusters,
                   cudaStream_t stream) {
@@ -593,12 +580,13 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   const auto k_steps = [](std::int64_t k) { return static_cast<int>((k + kBlockK - 1) / kBlockK); };
 
   LceSm90Params params{};
-  params.user_activations = activation_map<Element>(args.e_u, args.n, plan.ku, args.num_users);
+  params.user_activations =
+      batched_map<Element>(args.e_u, args.n, plan.ku, args.num_users, kBlockK);
   params.candidate_activations =
-      activation_map<Element>(args.e_c, args.n, plan.kc, args.num_candidates);
+      batched_map<Element>(args.e_c, args.n, plan.kc, args.num_candidates, kBlockK);
   params.user_weights = weight_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.m);
   params.candidate_weights = weight_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.m);
-  params.out = output_map<Element>(args.out, args.n, plan.m, args.num_candidates);
+  params.out = batched_map<Element>(args.out, args.n, plan.m, args.num_candidates, kStagingRows);
   auto* workspace = static_cast<char*>(args.workspace);
   params.user_partials = reinterpret_cast<float*>(workspace);
   params.user_ready = reinterpret_cast<int*>(workspace + layout.partial_bytes);
