@@ -9,8 +9,9 @@
 // wrap. Each case checks: the fp64 reference within the dtype's tolerance
 // and, for f16, a max abs error <= 2e-3; an error not above the portable
 // kernel's (+ a rounding margin); exact zeros for users without history;
-// bitwise-identical repeated runs and bitwise-identical ping-pong and
-// cooperative schedules; outputs poisoned (NaN) before every run. A second
+// bitwise-identical repeated runs and bitwise-identical results of the four
+// schedules (ping-pong, cooperative, each with and without the look-ahead
+// epilogue); outputs poisoned (NaN) before every run. A second
 // test puts +Inf into one user's K (dense: and V) and checks that the
 // neighbouring users' outputs stay exact. Every test skips, with the reason,
 // unless device 0 is an sm_90 GPU and the build carries sm_90a code.
@@ -48,7 +49,7 @@ std::optional<std::string> sm90_unavailable_reason() {
 #endif
 }
 
-enum class Path { portable, ping_pong, cooperative };
+enum class Path { portable, ping_pong, cooperative, ping_pong_lookahead, cooperative_lookahead };
 
 // Selects the attention path for a scope.
 class PathScope {
@@ -57,10 +58,23 @@ class PathScope {
 #ifdef IKBO_WITH_CUDA
     previous_enabled_ = detail::cuda::attention_sm90_enabled();
     previous_schedule_ = detail::cuda::attention_sm90_schedule();
+    using detail::cuda::AttentionSm90Schedule;
     detail::cuda::set_attention_sm90_enabled(path != Path::portable);
-    detail::cuda::set_attention_sm90_schedule(path == Path::cooperative
-                                                  ? detail::cuda::AttentionSm90Schedule::cooperative
-                                                  : detail::cuda::AttentionSm90Schedule::ping_pong);
+    switch (path) {
+      case Path::portable:
+      case Path::ping_pong:
+        detail::cuda::set_attention_sm90_schedule(AttentionSm90Schedule::ping_pong);
+        break;
+      case Path::cooperative:
+        detail::cuda::set_attention_sm90_schedule(AttentionSm90Schedule::cooperative);
+        break;
+      case Path::ping_pong_lookahead:
+        detail::cuda::set_attention_sm90_schedule(AttentionSm90Schedule::ping_pong_lookahead);
+        break;
+      case Path::cooperative_lookahead:
+        detail::cuda::set_attention_sm90_schedule(AttentionSm90Schedule::cooperative_lookahead);
+        break;
+    }
 #else
     static_cast<void>(path);
 #endif
@@ -242,13 +256,19 @@ TEST_P(AttentionSm90VsReference, MatchesReferenceAndPortablePathAndRepeatsBitwis
   const std::vector<double> hopper = problem.run(Path::ping_pong);
   const std::vector<double> hopper_again = problem.run(Path::ping_pong);
   const std::vector<double> cooperative = problem.run(Path::cooperative);
+  const std::vector<double> ping_pong_lookahead = problem.run(Path::ping_pong_lookahead);
+  const std::vector<double> cooperative_lookahead = problem.run(Path::cooperative_lookahead);
   const std::vector<double> portable = problem.run(Path::portable);
   const std::vector<double> expected = inputs.expected();
 
   EXPECT_TRUE(matches_reference(hopper, expected, dtype()));
   EXPECT_TRUE(empty_histories_give_zeros(inputs, hopper));
   EXPECT_TRUE(exactly_equal(hopper_again, hopper)) << "two runs on identical inputs differ";
-  EXPECT_TRUE(exactly_equal(cooperative, hopper)) << "the two schedules differ";
+  EXPECT_TRUE(exactly_equal(cooperative, hopper)) << "cooperative differs from ping-pong";
+  EXPECT_TRUE(exactly_equal(ping_pong_lookahead, hopper))
+      << "ping_pong_lookahead differs from ping-pong";
+  EXPECT_TRUE(exactly_equal(cooperative_lookahead, hopper))
+      << "cooperative_lookahead differs from ping-pong";
   EXPECT_TRUE(matches_reference(portable, expected, dtype()));
   const double hopper_error = max_abs_error(hopper, expected);
   const double portable_error = max_abs_error(portable, expected);
@@ -309,13 +329,15 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
     // so only its keys may be non-finite there (see attention_sm90.cu).
     if (!jagged) std::fill(inputs.v.values.begin() + first, inputs.v.values.begin() + last, inf);
     const DeviceProblem problem(inputs, test_case.num_users, jagged);
-    const std::vector<double> out = problem.run(Path::ping_pong);
     const std::vector<double> expected = inputs.expected();
-    for (std::int64_t b = 0; b < test_case.num_candidates; ++b) {
-      if (inputs.cand_to_user[static_cast<std::size_t>(b)] == 1) continue;
-      SCOPED_TRACE(testing::Message() << "candidate " << b);
-      EXPECT_TRUE(matches_reference(candidate_part(out, inputs, b),
-                                    candidate_part(expected, inputs, b), dtype));
+    for (const Path path : {Path::ping_pong, Path::cooperative_lookahead}) {
+      const std::vector<double> out = problem.run(path);
+      for (std::int64_t b = 0; b < test_case.num_candidates; ++b) {
+        if (inputs.cand_to_user[static_cast<std::size_t>(b)] == 1) continue;
+        SCOPED_TRACE(testing::Message() << "candidate " << b);
+        EXPECT_TRUE(matches_reference(candidate_part(out, inputs, b),
+                                      candidate_part(expected, inputs, b), dtype));
+      }
     }
   }
 }

@@ -147,37 +147,55 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
 // values until the wgmma has retired (wgmma_wait), which fence_operands on
 // them after the wait guarantees. There is no transpose flag for A.
 
-#define IKBO_WGMMA_REGS_32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define IKBO_WGMMA_REGS_64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define IKBO_WGMMA_REGS_32 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define IKBO_WGMMA_REGS_64 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
-#define IKBO_WGMMA_SS_N128(TYPE)                                                      \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"          \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"       \
-               IKBO_WGMMA_REGS_64 "},\n%64, %65, accumulate, 1, 1, %67, %68;\n}\n"      \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8), IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24), IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40), IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)                                                                \
+#define IKBO_WGMMA_SS_N128(TYPE)                                                          \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
+               IKBO_WGMMA_REGS_64 "},\n"                                                  \
+               "%64, %65, accumulate, 1, 1, %67, %68;\n}\n"                               \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)       \
                : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
 
-#define IKBO_WGMMA_SS_N64(TYPE)                                                       \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"          \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"        \
-               IKBO_WGMMA_REGS_32 "},\n%32, %33, accumulate, 1, 1, %35, %36;\n}\n"      \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8), IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)                                                                \
+#define IKBO_WGMMA_SS_N64(TYPE)                                                           \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
+               IKBO_WGMMA_REGS_32 "},\n"                                                  \
+               "%32, %33, accumulate, 1, 1, %35, %36;\n}\n"                               \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)       \
                : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
 
-#define IKBO_WGMMA_RS_N128(TYPE)                                                      \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %69, 0;\n"          \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"       \
-               IKBO_WGMMA_REGS_64 "},\n{%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n}\n" \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8), IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24), IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40), IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)                                                                \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),   \
+#define IKBO_WGMMA_RS_N128(TYPE)                                                          \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %69, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
+               IKBO_WGMMA_REGS_64 "},\n"                                                  \
+               "{%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n}\n"                   \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
                  "n"(kTransposeB))
 
-#define IKBO_WGMMA_RS_N64(TYPE)                                                       \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"          \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"        \
-               IKBO_WGMMA_REGS_32 "},\n{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n" \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8), IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)                                                                \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),   \
+#define IKBO_WGMMA_RS_N64(TYPE)                                                           \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
+               IKBO_WGMMA_REGS_32 "},\n"                                                  \
+               "{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n"                   \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
                  "n"(kTransposeB))
 
 // d (64 x kN, fp32) = a (64 x 16) @ b (16 x kN) + (accumulate ? d : 0) for

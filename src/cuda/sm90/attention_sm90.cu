@@ -56,17 +56,35 @@
 //   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and O += P V_{j-1}
 //   (wgmma with P as the register A operand, V MN-major), wait for S,
 //   softmax(S) while the PV product runs, wait for it, rescale O; finally
-//   O += P V_{n-1} and the epilogue. The online softmax runs in fp32 on
-//   exp2 with scale * log2(e) folded into one FFMA per score; the row
-//   maximum is taken on raw scores (their minimum when the scale is
-//   negative); keys past the user's length are excluded from it and get
-//   P = 0 exactly, so a block of the next user's keys (or TMA's zeros)
-//   never contributes, and a user without keys gets O = 0 (never NaN).
-//   (A non-finite V value among the next user's first 127 rows of a jagged
-//   tensor would still turn into NaN through 0 * Inf: the next user's
-//   rows are read, as in FlashAttention's varlen path.)
-//   P is rounded to the input type for PV, as in FlashAttention and the
-//   portable kernel; O is normalized and rounded once.
+//   O += P V_{n-1} and the epilogue. O is started by the unit's first PV
+//   product (scale-d = 0), never zeroed by ordinary instructions (see the
+//   look-ahead below). The online softmax runs in fp32 on exp2 with
+//   scale * log2(e) folded into one FFMA per score; the row maximum is
+//   taken on raw scores (their minimum when the scale is negative); keys
+//   past the user's length are excluded from it and get P = 0 exactly, so
+//   a block of the next user's keys (or TMA's zeros) never contributes, and
+//   a user without keys gets O = 0 (never NaN). (A non-finite V value among
+//   the next user's first 127 rows of a jagged tensor would still turn into
+//   NaN through 0 * Inf: the next user's rows are read, as in
+//   FlashAttention's varlen path.) P is rounded to the input type for PV,
+//   as in FlashAttention and the portable kernel; O is normalized and
+//   rounded once.
+//
+// The consumer loop is the kernel's own (pipeline.cuh's kernel-owned
+// loop): it walks the CTA's units, acquires each unit's Q slot, waits for
+// and releases K/V k-steps out of ring order (K_j is released as soon as
+// S_j retired, V_{j-1} once P_{j-1} V_{j-1} did).
+//
+// Look-ahead (the *_lookahead schedules): a unit's epilogue is deferred
+// until the next unit's first QK^T has been issued, so the tensor cores
+// have work while the epilogue's stores run; its Q slot is released after
+// it (two slots are then held). The finished O is first copied out of the
+// wgmma accumulators with real moves: ptxas cannot tell that the product
+// that wrote them retired before a newer one was committed, and would
+// otherwise wait for the newer one before the epilogue reads them. No
+// ordinary instruction may define accumulator registers while a product is
+// in flight (ptxas would serialize every wgmma of the kernel), hence the
+// scale-d = 0 start of O.
 //
 // Ping-pong (AttentionSm90Schedule::ping_pong): each consumer issues its
 // GEMMs of a step only in its turn, named barrier 1 + consumer, and passes
@@ -151,9 +169,9 @@ struct AttentionSm90Params {
 struct AttentionUnit {
   int head = 0;
   int user = 0;
-  int rows = 0;       // query rows of the tile, 0 .. 128 (0: an empty unit)
-  int blocks = 0;     // K/V blocks to walk (0 when rows == 0 or the user has no keys)
-  int kv_length = 0;  // the user's keys
+  int rows = 0;                  // query rows of the tile, 0 .. 128 (0: an empty unit)
+  int blocks = 0;                // K/V blocks to walk (0 when rows == 0 or the user has no keys)
+  int kv_length = 0;             // the user's keys
   std::int64_t group_begin = 0;  // first entry of the user's group in candidates_by_user
   std::int64_t first_row = 0;    // first of the tile's rows among the user's query rows
   std::int64_t kv_row = 0;       // jagged: the user's first K/V row
@@ -182,7 +200,7 @@ __device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
   return static_cast<std::uint32_t>((slice / 4) * (kRows * kSwizzleRowBytes) + (slice % 4) * 32);
 }
 
-template <typename Element, int kHeadDim, bool kPingPong>
+template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead>
 struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
@@ -330,18 +348,14 @@ struct AttentionSm90Kernel {
 
   // ---- consumers ----
 
-  __device__ static void turn_begin(int consumer) {
+  __device__ __forceinline__ static void turn_begin(int consumer) {
     if constexpr (kPingPong) ptx::named_barrier_sync<kConsumerThreads>(kTurnBarrier + consumer);
   }
 
-  __device__ static void turn_end(int consumer) {
+  __device__ __forceinline__ static void turn_end(int consumer) {
     if constexpr (kPingPong) {
       ptx::named_barrier_arrive<kConsumerThreads>(kTurnBarrier + (consumer ^ 1));
     }
-  }
-
-  __device__ static void consumer_begin(const Params&, SharedStorage&, int consumer) {
-    if (consumer == 1) turn_end(consumer);  // consumer 0 takes the first turn
   }
 
   __device__ static void drain(SharedStorage&, int consumer) {
@@ -356,9 +370,10 @@ struct AttentionSm90Kernel {
   // earlier results must be rescaled. kMasked: keys >= valid_keys are
   // excluded (P = 0).
   template <bool kMasked>
-  __device__ static void online_softmax(float (&scores)[kScoreRegisters], float (&row_max)[2],
-                                        float (&row_sum)[2], float (&correction)[2],
-                                        float scale_log2, int valid_keys) {
+  __device__ __forceinline__ static void online_softmax(float (&scores)[kScoreRegisters],
+                                                        float (&row_max)[2], float (&row_sum)[2],
+                                                        float (&correction)[2], float scale_log2,
+                                                        int valid_keys) {
     const int column = 2 * (static_cast<int>(threadIdx.x) % 4);
     const auto valid = [&](int index) {
       return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
@@ -413,98 +428,174 @@ struct AttentionSm90Kernel {
     }
   }
 
-  template <class Steps>
-  __device__ static void consume(const Params& params, const UnitInfo& info, int, Steps& steps,
-                                 UnitStage* unit_stage, SharedStorage& shared, int consumer) {
-    if (unit_stage == nullptr) return;  // an empty unit
+  // Registers of one consumer thread that live across units.
+  struct ConsumerRegisters {
+    float scores[kScoreRegisters];            // S of the current block, then its P in fp32
+    std::uint32_t p_fragments[kPvSlices][4];  // P rounded, the A operand of PV
     float out_acc[kOutRegisters];
+    float row_max[2];  // log2 domain, scaled
+    float row_sum[2];  // this thread's columns only until the epilogue
+  };
+
+  // S = Q K^T for this warpgroup's 64 rows of `unit_stage` and the K block
+  // in `stage`, committed as one group. Q and K are K-major.
+  __device__ __forceinline__ static void issue_scores(ConsumerRegisters& registers,
+                                                      const UnitStage& unit_stage,
+                                                      const Stage& stage, int consumer) {
+    const std::uint64_t q_descriptor = ptx::wgmma_descriptor_sw128(
+        unit_stage.q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16, kAtomBytes);
+    const std::uint64_t k_descriptor = ptx::wgmma_descriptor_sw128(stage.tile[0], 16, kAtomBytes);
 #pragma unroll
-    for (int i = 0; i < kOutRegisters; ++i) out_acc[i] = 0.0f;
-    float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, scaled
-    float row_sum[2] = {0.0f, 0.0f};            // this thread's columns only until the epilogue
-    if (info.blocks > 0) {
-      main_loop(params, info, steps, *unit_stage, shared, consumer, out_acc, row_max, row_sum);
+    for (int slice = 0; slice < kQkSlices; ++slice) {
+      ptx::wgmma_ss<Element, 0, 0, kBlockN>(
+          registers.scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
+          ptx::advance_descriptor(k_descriptor, k_slice_offset<kBlockN>(slice)), slice > 0);
     }
-    epilogue(params, *unit_stage, consumer, out_acc, row_sum);
+    ptx::wgmma_commit_group();
   }
 
-  template <class Steps>
-  __device__ static void main_loop(const Params& params, const UnitInfo& info, Steps& steps,
-                                   UnitStage& unit_stage, SharedStorage& shared, int consumer,
-                                   float (&out_acc)[kOutRegisters], float (&row_max)[2],
-                                   float (&row_sum)[2]) {
+  // O += P V for the V block in `stage` (MN-major: d contiguous, its 64-wide
+  // d blocks kBlockN rows apart), committed as one group.
+  __device__ __forceinline__ static void issue_pv(ConsumerRegisters& registers, const Stage& stage,
+                                                  bool accumulate) {
+    const std::uint64_t v_descriptor =
+        ptx::wgmma_descriptor_sw128(stage.tile[0], kBlockN * kSwizzleRowBytes, kAtomBytes);
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+      ptx::wgmma_rs<Element, 1, kHeadDim>(
+          registers.out_acc, registers.p_fragments[slice],
+          ptx::advance_descriptor(v_descriptor, slice * kWgmmaK * kSwizzleRowBytes),
+          accumulate || slice > 0);
+    }
+    ptx::wgmma_commit_group();
+  }
+
+  // P in registers as the A operand of the next PV (see wgmma.cuh).
+  __device__ __forceinline__ static void convert(ConsumerRegisters& registers) {
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        registers.p_fragments[slice][i] = ptx::pack_pair<Element>(
+            registers.scores[8 * slice + 2 * i], registers.scores[8 * slice + 2 * i + 1]);
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void fence_pv_operands(ConsumerRegisters& registers) {
+    ptx::fence_operands(registers.out_acc);
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+      ptx::fence_operands(registers.p_fragments[slice]);
+    }
+  }
+
+  // The units of this CTA, in order, for one consumer warpgroup.
+  //
+  // kLookahead defers each unit's epilogue into the next unit: it runs
+  // right after that unit's first QK^T has been issued, so the tensor
+  // cores work through it. Only ordinary reads of the finished O happen
+  // while the product is in flight: an ordinary instruction that defined
+  // wgmma accumulator registers there (a zeroed O, or the register copies
+  // a conditionally issued wgmma leaves at a branch merge) would make
+  // ptxas serialize every wgmma of the kernel. Hence O is started by each
+  // unit's first PV product (scale-d = 0) rather than zeroed.
+  template <class Walk, class Slots, class Steps>
+  __device__ __forceinline__ static void consume(const Params& params, int, const Walk& walk,
+                                                 Slots& slots, Steps& steps, SharedStorage& shared,
+                                                 int consumer) {
+    if (consumer == 1) turn_end(consumer);  // consumer 0 takes the first turn
+    ConsumerRegisters registers;
+#pragma unroll
+    for (int i = 0; i < kScoreRegisters; ++i) registers.scores[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] = 0.0f;
+    // The epilogue owed for the previous unit (kLookahead).
+    bool owed = false;
+    int owed_slot = 0;
+    float owed_row_sum[2] = {0.0f, 0.0f};
+    // The owed O, copied out of the wgmma accumulators by real moves: ptxas
+    // cannot tell that the product which wrote out_acc retired before the
+    // next unit's first one was committed, and would wait for that one
+    // before reading out_acc.
+    float owed_out[kLookahead ? kOutRegisters : 1];
+    const auto settle = [&] {
+      if (!owed) return;
+      epilogue(params, shared.unit_stages[owed_slot], consumer, owed_out, owed_row_sum, false);
+      slots.release();
+      owed = false;
+    };
+    for (int unit = walk.first; unit < walk.count; unit += walk.step) {
+      const UnitInfo info = describe(params, unit);
+      if (info.rows > 0) {
+        const int slot = slots.acquire();
+        if (info.blocks > 0) {
+          main_loop(params, info, steps, shared, slot, consumer, registers, settle);
+          if constexpr (kLookahead) {
+#pragma unroll
+            for (int i = 0; i < kOutRegisters; ++i) {
+              asm volatile("mov.b32 %0, %1;\n" : "=f"(owed_out[i]) : "f"(registers.out_acc[i]));
+            }
+            owed = true;
+            owed_slot = slot;
+            owed_row_sum[0] = registers.row_sum[0];
+            owed_row_sum[1] = registers.row_sum[1];
+          } else {
+            epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
+                     registers.row_sum, false);
+            slots.release();
+          }
+        } else {
+          settle();  // slots are released in order
+          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc, registers.row_sum,
+                   true);
+          slots.release();
+        }
+      }
+      steps.advance(num_k_steps(params, info));
+    }
+    settle();
+  }
+
+  // One unit with at least one K/V block; on return every product of the
+  // unit has retired and registers.out_acc / row_sum hold its O and row
+  // sums. `after_first_issue` runs while the first QK^T is in flight.
+  template <class Steps, class AfterFirstIssue>
+  __device__ __forceinline__ static void main_loop(const Params& params, const UnitInfo& info,
+                                                   Steps& steps, SharedStorage& shared, int slot,
+                                                   int consumer, ConsumerRegisters& registers,
+                                                   AfterFirstIssue&& after_first_issue) {
     const int blocks = info.blocks;
     const int tail_keys = info.kv_length - (blocks - 1) * kBlockN;  // 1 .. 128
     const float scale_log2 = params.scale_log2;
-    // Q: this warpgroup's 64 rows, K-major. K_j: K-major. V_j: MN-major
-    // (d contiguous), its two 64-wide d blocks kBlockN rows apart.
-    const std::uint64_t q_descriptor = ptx::wgmma_descriptor_sw128(
-        unit_stage.q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16, kAtomBytes);
-
-    float scores[kScoreRegisters];
-#pragma unroll
-    for (int i = 0; i < kScoreRegisters; ++i) scores[i] = 0.0f;
-    std::uint32_t p_fragments[kPvSlices][4];
+    const UnitStage& unit_stage = shared.unit_stages[slot];
     float correction[2];
-
-    const auto issue_scores = [&](int stage) {
-      const std::uint64_t k_descriptor =
-          ptx::wgmma_descriptor_sw128(shared.stages[stage].tile[0], 16, kAtomBytes);
-#pragma unroll
-      for (int slice = 0; slice < kQkSlices; ++slice) {
-        ptx::wgmma_ss<Element, 0, 0, kBlockN>(
-            scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
-            ptx::advance_descriptor(k_descriptor, k_slice_offset<kBlockN>(slice)), slice > 0);
-      }
-      ptx::wgmma_commit_group();
-    };
-    const auto issue_pv = [&](int stage) {
-      const std::uint64_t v_descriptor = ptx::wgmma_descriptor_sw128(
-          shared.stages[stage].tile[0], kBlockN * kSwizzleRowBytes, kAtomBytes);
-#pragma unroll
-      for (int slice = 0; slice < kPvSlices; ++slice) {
-        ptx::wgmma_rs<Element, 1, kHeadDim>(
-            out_acc, p_fragments[slice],
-            ptx::advance_descriptor(v_descriptor, slice * kWgmmaK * kSwizzleRowBytes), true);
-      }
-      ptx::wgmma_commit_group();
-    };
     const auto softmax = [&](int block) {
       if (block == blocks - 1 && tail_keys < kBlockN) {
-        online_softmax<true>(scores, row_max, row_sum, correction, scale_log2, tail_keys);
+        online_softmax<true>(registers.scores, registers.row_max, registers.row_sum, correction,
+                             scale_log2, tail_keys);
       } else {
-        online_softmax<false>(scores, row_max, row_sum, correction, scale_log2, kBlockN);
+        online_softmax<false>(registers.scores, registers.row_max, registers.row_sum, correction,
+                              scale_log2, kBlockN);
       }
-    };
-    // P in registers as the A operand of the next PV (see wgmma.cuh).
-    const auto convert = [&] {
-#pragma unroll
-      for (int slice = 0; slice < kPvSlices; ++slice) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          p_fragments[slice][i] =
-              ptx::pack_pair<Element>(scores[8 * slice + 2 * i], scores[8 * slice + 2 * i + 1]);
-        }
-      }
-    };
-    const auto rescale = [&] {
-#pragma unroll
-      for (int i = 0; i < kOutRegisters; ++i) out_acc[i] *= correction[(i / 2) % 2];
     };
 
     // Block 0: S = Q K_0^T, softmax.
     {
       const int k_stage = steps.wait(0);
       turn_begin(consumer);
-      ptx::fence_operands(scores);
+      ptx::fence_operands(registers.scores);
       ptx::wgmma_fence();
-      issue_scores(k_stage);
+      issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
       turn_end(consumer);
+      after_first_issue();
+      registers.row_max[0] = registers.row_max[1] = -INFINITY;
+      registers.row_sum[0] = registers.row_sum[1] = 0.0f;
       ptx::wgmma_wait<0>();
-      ptx::fence_operands(scores);
+      ptx::fence_operands(registers.scores);
       steps.release(k_stage);
       softmax(0);
-      convert();
+      convert(registers);
     }
     // Block j: S = Q K_j^T and O += P_{j-1} V_{j-1} in flight together;
     // the softmax of block j runs while the PV product does.
@@ -512,47 +603,43 @@ struct AttentionSm90Kernel {
       const int k_stage = steps.wait(2 * block);
       const int v_stage = steps.wait(2 * block - 1);
       turn_begin(consumer);
-      ptx::fence_operands(scores);
-      ptx::fence_operands(out_acc);
+      ptx::fence_operands(registers.scores);
+      ptx::fence_operands(registers.out_acc);
       ptx::wgmma_fence();
-      issue_scores(k_stage);
-      issue_pv(v_stage);
+      issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
+      issue_pv(registers, shared.stages[v_stage], block > 1);  // PV_0 starts O
       turn_end(consumer);
       ptx::wgmma_wait<1>();  // S retired, PV may still run
-      ptx::fence_operands(scores);
+      ptx::fence_operands(registers.scores);
       steps.release(k_stage);
       softmax(block);
       ptx::wgmma_wait<0>();
       // Until here the PV product owned out_acc and read p_fragments.
-      ptx::fence_operands(out_acc);
-#pragma unroll
-      for (int slice = 0; slice < kPvSlices; ++slice) ptx::fence_operands(p_fragments[slice]);
+      fence_pv_operands(registers);
       steps.release(v_stage);
-      rescale();
-      convert();
+#pragma unroll
+      for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
+      convert(registers);
     }
     // O += P_{n-1} V_{n-1}.
-    {
-      const int v_stage = steps.wait(2 * blocks - 1);
-      turn_begin(consumer);
-      ptx::fence_operands(out_acc);
-      ptx::wgmma_fence();
-      issue_pv(v_stage);
-      turn_end(consumer);
-      ptx::wgmma_wait<0>();
-      ptx::fence_operands(out_acc);
-#pragma unroll
-      for (int slice = 0; slice < kPvSlices; ++slice) ptx::fence_operands(p_fragments[slice]);
-      steps.release(v_stage);
-    }
+    const int v_stage = steps.wait(2 * blocks - 1);
+    turn_begin(consumer);
+    ptx::fence_operands(registers.out_acc);
+    ptx::wgmma_fence();
+    issue_pv(registers, shared.stages[v_stage], blocks > 1);
+    turn_end(consumer);
+    ptx::wgmma_wait<0>();
+    fence_pv_operands(registers);
+    steps.release(v_stage);
   }
 
   // Normalizes, rounds and stores this warpgroup's 64 rows: stmatrix into
   // its own rows of the unit's Q slot (its QK^T products have retired; the
   // other warpgroup reads only its own rows), then 16-byte chunks of the
   // rows that exist.
-  __device__ static void epilogue(const Params& params, UnitStage& unit_stage, int consumer,
-                                  float (&out_acc)[kOutRegisters], float (&row_sum)[2]) {
+  __device__ __forceinline__ static void epilogue(const Params& params, UnitStage& unit_stage,
+                                                  int consumer, const float* out_acc,
+                                                  const float (&row_sum)[2], bool no_keys) {
     // The thread index is read here, not hoisted: otherwise the compiler
     // keeps every lane-dependent epilogue address live across the whole
     // unit loop and spills them.
@@ -564,7 +651,7 @@ struct AttentionSm90Kernel {
       float sum = row_sum[half];
       sum += __shfl_xor_sync(kFullWarp, sum, 1);
       sum += __shfl_xor_sync(kFullWarp, sum, 2);
-      inverse_sum[half] = sum > 0.0f ? __fdividef(1.0f, sum) : 0.0f;  // no keys: zeros
+      inverse_sum[half] = sum > 0.0f ? __fdividef(1.0f, sum) : 0.0f;
     }
     // stmatrix.x4 over 8-column groups 2 * pair and 2 * pair + 1: matrix i
     // holds rows 8 * (i % 2) .. + 7 of the warp's 16 and group
@@ -574,13 +661,15 @@ struct AttentionSm90Kernel {
     const int lane_row = consumer * kWarpgroupRows + warp * 16 + (matrix % 2) * 8 + lane % 8;
 #pragma unroll
     for (int pair = 0; pair < kHeadDim / 16; ++pair) {
-      const float* low = out_acc + 8 * pair;       // group 2 * pair
-      const float* high = out_acc + 8 * pair + 4;  // group 2 * pair + 1
+      // Register 4 * group + r belongs to row half r / 2.
+      const auto pair_at = [&](int group, int half) {
+        const float low = out_acc[4 * group + 2 * half], high = out_acc[4 * group + 2 * half + 1];
+        return no_keys ? 0u
+                       : ptx::pack_pair<Element>(low * inverse_sum[half], high * inverse_sum[half]);
+      };
       ptx::stmatrix_x4(tile + tile_offset<kBlockM>(lane_row, 2 * pair + matrix / 2),
-                       ptx::pack_pair<Element>(low[0] * inverse_sum[0], low[1] * inverse_sum[0]),
-                       ptx::pack_pair<Element>(low[2] * inverse_sum[1], low[3] * inverse_sum[1]),
-                       ptx::pack_pair<Element>(high[0] * inverse_sum[0], high[1] * inverse_sum[0]),
-                       ptx::pack_pair<Element>(high[2] * inverse_sum[1], high[3] * inverse_sum[1]));
+                       pair_at(2 * pair, 0), pair_at(2 * pair, 1), pair_at(2 * pair + 1, 0),
+                       pair_at(2 * pair + 1, 1));
     }
     ptx::named_barrier_sync<kWarpgroupThreads>(kEpilogueBarrier + consumer);
     auto* out = static_cast<Element*>(params.out);
@@ -630,16 +719,20 @@ struct DeviceSupport {
 };
 
 // Calls fn(Kernel{}) for every instantiation.
+template <typename Element, int kHeadDim, typename Fn>
+void for_each_schedule(Fn&& fn) {
+  fn(AttentionSm90Kernel<Element, kHeadDim, true, false>{});
+  fn(AttentionSm90Kernel<Element, kHeadDim, false, false>{});
+  fn(AttentionSm90Kernel<Element, kHeadDim, true, true>{});
+  fn(AttentionSm90Kernel<Element, kHeadDim, false, true>{});
+}
+
 template <typename Fn>
 void for_each_kernel(Fn&& fn) {
-  fn(AttentionSm90Kernel<__half, 64, true>{});
-  fn(AttentionSm90Kernel<__half, 64, false>{});
-  fn(AttentionSm90Kernel<__half, 128, true>{});
-  fn(AttentionSm90Kernel<__half, 128, false>{});
-  fn(AttentionSm90Kernel<__nv_bfloat16, 64, true>{});
-  fn(AttentionSm90Kernel<__nv_bfloat16, 64, false>{});
-  fn(AttentionSm90Kernel<__nv_bfloat16, 128, true>{});
-  fn(AttentionSm90Kernel<__nv_bfloat16, 128, false>{});
+  for_each_schedule<__half, 64>(fn);
+  for_each_schedule<__half, 128>(fn);
+  for_each_schedule<__nv_bfloat16, 64>(fn);
+  for_each_schedule<__nv_bfloat16, 128>(fn);
 }
 
 DeviceSupport probe_device(int ordinal) {
@@ -702,9 +795,11 @@ std::atomic<bool>& enabled_switch() {
 std::atomic<AttentionSm90Schedule>& schedule_switch() {
   static std::atomic<AttentionSm90Schedule> schedule{[] {
     const char* value = std::getenv("IKBO_ATTENTION_SM90_SCHEDULE");
-    return value != nullptr && std::string_view(value) == "cooperative"
-               ? AttentionSm90Schedule::cooperative
-               : AttentionSm90Schedule::ping_pong;
+    const std::string_view name = value != nullptr ? value : "";
+    if (name == "cooperative") return AttentionSm90Schedule::cooperative;
+    if (name == "ping_pong_lookahead") return AttentionSm90Schedule::ping_pong_lookahead;
+    if (name == "cooperative_lookahead") return AttentionSm90Schedule::cooperative_lookahead;
+    return AttentionSm90Schedule::ping_pong;
   }()};
   return schedule;
 }
@@ -756,9 +851,29 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
 template <class Kernel>
 void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t stream) {
   const int grid = std::min(params.num_units, multiprocessors);
-  attention_sm90_kernel<Kernel><<<grid, sm90::kPipelineThreads<Kernel>,
-                                  kDynamicSharedBytes<Kernel>, stream>>>(params);
+  attention_sm90_kernel<Kernel>
+      <<<grid, sm90::kPipelineThreads<Kernel>, kDynamicSharedBytes<Kernel>, stream>>>(params);
   check_launch("attention_sm90_kernel");
+}
+
+template <typename Element, int kHeadDim>
+void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
+                     int multiprocessors, cudaStream_t stream) {
+  switch (schedule) {
+    case AttentionSm90Schedule::ping_pong:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, true, false>>(params, multiprocessors,
+                                                                         stream);
+    case AttentionSm90Schedule::cooperative:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, false, false>>(params, multiprocessors,
+                                                                          stream);
+    case AttentionSm90Schedule::ping_pong_lookahead:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, true, true>>(params, multiprocessors,
+                                                                        stream);
+    case AttentionSm90Schedule::cooperative_lookahead:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, false, true>>(params, multiprocessors,
+                                                                         stream);
+  }
+  throw RuntimeError("attention_sm90: unknown schedule");
 }
 
 template <typename Element>
@@ -781,19 +896,10 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  const bool ping_pong = schedule == AttentionSm90Schedule::ping_pong;
   if (args.head_dim == 64) {
-    if (ping_pong) {
-      launch<AttentionSm90Kernel<Element, 64, true>>(params, multiprocessors, stream);
-    } else {
-      launch<AttentionSm90Kernel<Element, 64, false>>(params, multiprocessors, stream);
-    }
+    launch_schedule<Element, 64>(params, schedule, multiprocessors, stream);
   } else {
-    if (ping_pong) {
-      launch<AttentionSm90Kernel<Element, 128, true>>(params, multiprocessors, stream);
-    } else {
-      launch<AttentionSm90Kernel<Element, 128, false>>(params, multiprocessors, stream);
-    }
+    launch_schedule<Element, 128>(params, schedule, multiprocessors, stream);
   }
 }
 

@@ -31,10 +31,18 @@ bool attention_sm90_eligible(const AttentionArgs& args);
 //   ping_pong    they take turns issuing their GEMMs (named barriers), so
 //                one warpgroup's softmax runs while the other's GEMMs do
 //                (the default);
-//   cooperative  each issues as soon as its operands are ready.
-// Both overlap the softmax of block j with the QK^T of block j + 1 inside a
-// warpgroup. Results are bitwise identical between the two.
-enum class AttentionSm90Schedule { ping_pong, cooperative };
+//   cooperative  each issues as soon as its operands are ready;
+//   *_lookahead  the same, and each warpgroup runs a unit's epilogue only
+//                after it has issued the next unit's first QK^T, so the
+//                tensor cores work through the epilogue.
+// All overlap the softmax of block j with the QK^T of block j + 1 inside a
+// warpgroup. Results are bitwise identical between them.
+enum class AttentionSm90Schedule {
+  ping_pong,
+  cooperative,
+  ping_pong_lookahead,
+  cooperative_lookahead
+};
 
 // Runs attention on the Hopper path; `args` must be supported.
 void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule);
@@ -47,7 +55,8 @@ bool attention_sm90_enabled();
 void set_attention_sm90_enabled(bool enabled);
 
 // The schedule attention() uses on this path: ping_pong unless the
-// environment has IKBO_ATTENTION_SM90_SCHEDULE=cooperative (read once).
+// environment's IKBO_ATTENTION_SM90_SCHEDULE names another (cooperative,
+// ping_pong_lookahead, cooperative_lookahead; read once).
 AttentionSm90Schedule attention_sm90_schedule();
 void set_attention_sm90_schedule(AttentionSm90Schedule schedule);
 

@@ -68,18 +68,25 @@
 //     Single-CTA kernels only (kClusterSize == 1).
 //
 //   Kernel-owned consumer loop: kOwnsConsumerLoop = true replaces the
-//     compute/finish loop by, per unit,
-//       consume(params, info, rank, steps, unit_stage, shared, consumer)
-//     where unit_stage is the unit's loaded slot (null for a unit without
-//     per-unit operands; released after consume returns) and `steps`
-//     (ConsumerSteps) gives random access to the unit's k-steps:
-//     steps.wait(k) waits for k-step k (0 <= k < num_k_steps) and returns
-//     its stage; steps.release(stage) hands it back (once per k-step, by
-//     every consumer warpgroup, after the wgmmas reading it retired), in
-//     any order. The producer still fills the ring in k-step order, so a
-//     kernel may hold at most kStages k-steps at once. consumer_begin(
-//     params, shared, consumer) runs before the first unit, drain after
-//     the last, as before.
+//     compute/finish loop by one call per consumer warpgroup,
+//       consume(params, rank, walk, slots, steps, shared, consumer)
+//     in which the kernel walks its units itself (walk: UnitWalk, units
+//     first, first + step, ... below count) and may look ahead across
+//     them (attention issues the next unit's first product before this
+//     unit's epilogue):
+//       slots (UnitSlots): acquire() waits for the next per-unit slot in
+//         order and returns its index; release() frees the oldest acquired
+//         one (every consumer thread calls both, once per unit with
+//         has_unit_operands, in unit order; two may be held at once);
+//       steps (ConsumerSteps): random access to the k-steps, relative to
+//         the current unit's first: wait(k) waits for k-step k and returns
+//         its stage (k may run past the unit into the next one's);
+//         release(stage) hands a stage back (once per k-step, by every
+//         consumer warpgroup, after the wgmmas reading it retired, in any
+//         order); advance(num_k_steps) moves to the next unit. The
+//         producer still fills the ring in k-step order, so a kernel may
+//         hold at most kStages k-steps at once.
+//     drain(shared, consumer) runs after it, as before.
 #pragma once
 
 #include <cstdint>
@@ -203,6 +210,31 @@ struct ConsumerSteps {
   }
 };
 
+// The units of one CTA, for kernels that own their consumer loop.
+struct UnitWalk {
+  int first, step, count;
+};
+
+// A consumer's view of the per-unit slots (see the header comment).
+template <int kSlots>
+struct UnitSlots {
+  std::uint64_t* full;
+  std::uint64_t* empty;
+  PipelineState<kSlots> acquired, released;
+
+  __device__ __forceinline__ int acquire() {
+    ptx::mbarrier_wait(&full[acquired.stage], acquired.phase);
+    const int slot = acquired.stage;
+    acquired.advance();
+    return slot;
+  }
+
+  __device__ __forceinline__ void release() {
+    ptx::mbarrier_arrive(&empty[released.stage]);
+    released.advance();
+  }
+};
+
 // The body of a pipelined kernel; every thread of the CTA calls it once.
 // `barriers` lives in static shared memory, `shared` in dynamic shared
 // memory aligned to 1024 bytes (the 128-byte swizzle atom).
@@ -299,26 +331,11 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   read_walk();
   const int consumer = warpgroup - 1;
   if constexpr (owns_consumer_loop<Kernel>()) {
+    static_assert(kUnitStages > 0, "a kernel-owned consumer loop takes per-unit operands");
     ConsumerSteps<kStages, kClusterSize> steps{barriers.full, barriers.empty, {}};
-    PipelineState<(kUnitStages > 0 ? kUnitStages : 1)> slot;
-    Kernel::consumer_begin(params, shared, consumer);
-    for (int unit = first_unit; unit < num_units; unit += unit_step) {
-      const auto info = describe_unit<Kernel>(params, unit);
-      if constexpr (kUnitStages > 0) {
-        if (Kernel::has_unit_operands(params, info)) {
-          ptx::mbarrier_wait(&barriers.unit_full[slot.stage], slot.phase);
-          Kernel::consume(params, info, rank, steps, &shared.unit_stages[slot.stage], shared,
-                          consumer);
-          ptx::mbarrier_arrive(&barriers.unit_empty[slot.stage]);
-          slot.advance();
-        } else {
-          Kernel::consume(params, info, rank, steps, nullptr, shared, consumer);
-        }
-      } else {
-        Kernel::consume(params, info, rank, steps, nullptr, shared, consumer);
-      }
-      steps.advance(Kernel::num_k_steps(params, info));
-    }
+    UnitSlots<kUnitStages> slots{barriers.unit_full, barriers.unit_empty, {}, {}};
+    const UnitWalk walk{first_unit, unit_step, num_units};
+    Kernel::consume(params, rank, walk, slots, steps, shared, consumer);
     Kernel::drain(shared, consumer);
   } else {
     const auto release = [&](int stage) { release_stage<kClusterSize>(barriers.empty, stage); };
