@@ -796,10 +796,10 @@ std::atomic<AttentionSm90Schedule>& schedule_switch() {
   static std::atomic<AttentionSm90Schedule> schedule{[] {
     const char* value = std::getenv("IKBO_ATTENTION_SM90_SCHEDULE");
     const std::string_view name = value != nullptr ? value : "";
+    if (name == "ping_pong") return AttentionSm90Schedule::ping_pong;
     if (name == "cooperative") return AttentionSm90Schedule::cooperative;
     if (name == "ping_pong_lookahead") return AttentionSm90Schedule::ping_pong_lookahead;
-    if (name == "cooperative_lookahead") return AttentionSm90Schedule::cooperative_lookahead;
-    return AttentionSm90Schedule::ping_pong;
+    return AttentionSm90Schedule::cooperative_lookahead;
   }()};
   return schedule;
 }

@@ -29,14 +29,16 @@ bool attention_sm90_eligible(const AttentionArgs& args);
 
 // How the two consumer warpgroups share the tensor cores:
 //   ping_pong    they take turns issuing their GEMMs (named barriers), so
-//                one warpgroup's softmax runs while the other's GEMMs do
-//                (the default);
+//                one warpgroup's softmax runs while the other's GEMMs do;
 //   cooperative  each issues as soon as its operands are ready;
 //   *_lookahead  the same, and each warpgroup runs a unit's epilogue only
 //                after it has issued the next unit's first QK^T, so the
 //                tensor cores work through the epilogue.
 // All overlap the softmax of block j with the QK^T of block j + 1 inside a
-// warpgroup. Results are bitwise identical between them.
+// warpgroup. Results are bitwise identical between them. Measured on H100
+// (reference shape, fp16, S = 512 .. 8192): the look-ahead adds 2-4%, and
+// ping-pong brings nothing on top of the in-warpgroup overlap, so
+// cooperative_lookahead is the default.
 enum class AttentionSm90Schedule {
   ping_pong,
   cooperative,
@@ -54,9 +56,9 @@ void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule);
 bool attention_sm90_enabled();
 void set_attention_sm90_enabled(bool enabled);
 
-// The schedule attention() uses on this path: ping_pong unless the
-// environment's IKBO_ATTENTION_SM90_SCHEDULE names another (cooperative,
-// ping_pong_lookahead, cooperative_lookahead; read once).
+// The schedule attention() uses on this path: cooperative_lookahead unless
+// the environment's IKBO_ATTENTION_SM90_SCHEDULE names another (ping_pong,
+// cooperative, ping_pong_lookahead; read once).
 AttentionSm90Schedule attention_sm90_schedule();
 void set_attention_sm90_schedule(AttentionSm90Schedule schedule);
 
