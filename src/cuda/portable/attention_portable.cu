@@ -28,6 +28,10 @@
 // Both use an online softmax in fp32 on exp2 (scale * log2(e) folded into the
 // scores), mask keys past the user's length, and write zeros for a user with
 // no keys (never NaN).
+//
+// attention() below hands eligible calls (Hopper GPU, f16/bf16, 16-byte
+// aligned) to the sm_90a kernel of sm90/attention_sm90.cu, which uses the
+// same per-user query tiles; these kernels serve every other call.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +43,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/ptx/sm80.cuh"
 #include "cuda/runtime.cuh"
+#include "cuda/sm90/attention_sm90.hpp"
 
 namespace ikbo::detail::cuda {
 namespace {
@@ -579,6 +584,10 @@ void run_attention(const AttentionArgs& args) {
 }  // namespace
 
 void attention(const AttentionArgs& args) {
+  if (attention_sm90_eligible(args)) {
+    attention_sm90(args, attention_sm90_schedule());
+    return;
+  }
   DeviceGuard guard(args.map->device.index);
   dispatch_float_dtype(args.dtype, [&](auto element) { run_attention<decltype(element)>(args); });
 }

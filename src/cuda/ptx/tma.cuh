@@ -120,6 +120,15 @@ __device__ __forceinline__ void tma_load(void* shared_destination, const CUtenso
                                     shared_destination, map, coordinates, barrier);
 }
 
+// Copies the box at (c0, c1, c2, c3) of a 4-D map into shared memory.
+__device__ __forceinline__ void tma_load(void* shared_destination, const CUtensorMap* map,
+                                         std::int32_t c0, std::int32_t c1, std::int32_t c2,
+                                         std::int32_t c3, std::uint64_t* barrier) {
+  const std::int32_t coordinates[4] = {c0, c1, c2, c3};
+  ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
+                                    shared_destination, map, coordinates, barrier);
+}
+
 // Writes a shared-memory box to (c0, c1, c2) of a 3-D map; elements outside
 // the tensor are skipped. Joins the issuing thread's open bulk group.
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, std::int32_t c0,

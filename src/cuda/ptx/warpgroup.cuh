@@ -40,6 +40,26 @@ __device__ __forceinline__ void named_barrier_sync(std::uint32_t id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
+// Arrives at barrier `id` without waiting: the `kThreads` of a
+// named_barrier_sync on `id` count these arrivals too. One warpgroup can
+// thereby let another pass (the ping-pong schedule of two consumer
+// warpgroups: each waits on its own barrier and arrives on the other's).
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_arrive(std::uint32_t id) {
+  static_assert(kThreads % 32 == 0);
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// Stores four 8x8 b16 matrices; lanes 8i..8i+7 address the rows of matrix i.
+__device__ __forceinline__ void stmatrix_x4(std::uint32_t shared_row_address, std::uint32_t matrix0,
+                                            std::uint32_t matrix1, std::uint32_t matrix2,
+                                            std::uint32_t matrix3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   shared_row_address),
+               "r"(matrix0), "r"(matrix1), "r"(matrix2), "r"(matrix3)
+               : "memory");
+}
+
 __device__ __forceinline__ void stmatrix_x4_trans(std::uint32_t shared_row_address,
                                                   std::uint32_t matrix0, std::uint32_t matrix1,
                                                   std::uint32_t matrix2, std::uint32_t matrix3) {

@@ -1,6 +1,8 @@
 // src/cuda/ptx/wgmma.cuh — warpgroup matrix multiply-accumulate (wgmma,
 // sm_90a only): shared-memory operand descriptors, the m64nNk16 f16/bf16
-// instruction with fp32 accumulators, and its fence / commit / wait.
+// instructions with fp32 accumulators (N = 224 for LCE; N = 64 and 128,
+// with A from shared memory or from registers, for attention), and their
+// fence / commit / wait.
 //
 // One wgmma is issued by the 128 threads of a warpgroup and runs
 // asynchronously: D (registers) += A (shared memory) @ B (shared memory).
@@ -81,6 +83,13 @@ __device__ __forceinline__ void fence_operands(float (&values)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(values[i])::"memory");
 }
 
+// The same for A operands held in registers (RS form below).
+template <int kCount>
+__device__ __forceinline__ void fence_operands(std::uint32_t (&values)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(values[i])::"memory");
+}
+
 #define IKBO_WGMMA_ACCUMULATORS_8(d, i)                                                  \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -122,6 +131,131 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
 }
 
 #undef IKBO_WGMMA_M64N224K16
+
+// ---- m64n128k16 / m64n64k16, operands from shared memory (SS) or with A
+// from registers (RS): the shapes of the attention kernel ----
+//
+// RS form: A is four b32 registers per thread, each holding two f16/bf16
+// elements of the 64 x 16 A tile; within its warp's 16 rows (w = warp of
+// the warpgroup, g = lane / 4, t = lane % 4):
+//   a[0]: (row 16w + g, cols 2t, 2t+1)       a[1]: (row 16w + g + 8, cols 2t, 2t+1)
+//   a[2]: (row 16w + g, cols 2t+8, 2t+9)     a[3]: (row 16w + g + 8, cols 2t+8, 2t+9)
+// That is the accumulator fragment above of two adjacent 8-column groups
+// (registers 8k .. 8k+7 of an fp32 m64nN result are k16 slice k of A once
+// packed in pairs), so a result can feed the next product without leaving
+// registers. The A registers are read asynchronously: they must keep their
+// values until the wgmma has retired (wgmma_wait), which fence_operands on
+// them after the wait guarantees. There is no transpose flag for A.
+
+#define IKBO_WGMMA_REGS_32 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define IKBO_WGMMA_REGS_64 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+#define IKBO_WGMMA_SS_N128(TYPE)                                                          \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
+               IKBO_WGMMA_REGS_64 "},\n"                                                  \
+               "%64, %65, accumulate, 1, 1, %67, %68;\n}\n"                               \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)       \
+               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
+
+#define IKBO_WGMMA_SS_N64(TYPE)                                                           \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
+               IKBO_WGMMA_REGS_32 "},\n"                                                  \
+               "%32, %33, accumulate, 1, 1, %35, %36;\n}\n"                               \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)       \
+               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
+
+#define IKBO_WGMMA_RS_N128(TYPE)                                                          \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %69, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
+               IKBO_WGMMA_REGS_64 "},\n"                                                  \
+               "{%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n}\n"                   \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),      \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
+                 "n"(kTransposeB))
+
+#define IKBO_WGMMA_RS_N64(TYPE)                                                           \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
+               IKBO_WGMMA_REGS_32 "},\n"                                                  \
+               "{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n"                   \
+               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
+                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
+                 "n"(kTransposeB))
+
+// d (64 x kN, fp32) = a (64 x 16) @ b (16 x kN) + (accumulate ? d : 0) for
+// kN in {64, 128}, both operands in shared memory. kTransposeA /
+// kTransposeB: 0 for a K-major operand, 1 for an MN-major one.
+template <typename Element, int kTransposeA, int kTransposeB, int kN>
+__device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], std::uint64_t a, std::uint64_t b,
+                                         bool accumulate_into_d) {
+  static_assert(kN == 64 || kN == 128, "wgmma_ss is instantiated for N = 64 and N = 128");
+  static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>,
+                "wgmma here takes f16 or bf16");
+  const std::uint32_t accumulate = accumulate_into_d ? 1 : 0;
+  constexpr bool kHalf = std::is_same_v<Element, __half>;
+  if constexpr (kN == 128) {
+    if constexpr (kHalf) {
+      IKBO_WGMMA_SS_N128("f16");
+    } else {
+      IKBO_WGMMA_SS_N128("bf16");
+    }
+  } else {
+    if constexpr (kHalf) {
+      IKBO_WGMMA_SS_N64("f16");
+    } else {
+      IKBO_WGMMA_SS_N64("bf16");
+    }
+  }
+}
+
+// d (64 x kN, fp32) = a (64 x 16, registers, see above) @ b (16 x kN,
+// shared memory) + (accumulate ? d : 0) for kN in {64, 128}. kTransposeB:
+// 0 for a K-major B, 1 for an MN-major one.
+template <typename Element, int kTransposeB, int kN>
+__device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const std::uint32_t (&a)[4],
+                                         std::uint64_t b, bool accumulate_into_d) {
+  static_assert(kN == 64 || kN == 128, "wgmma_rs is instantiated for N = 64 and N = 128");
+  static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>,
+                "wgmma here takes f16 or bf16");
+  const std::uint32_t accumulate = accumulate_into_d ? 1 : 0;
+  constexpr bool kHalf = std::is_same_v<Element, __half>;
+  if constexpr (kN == 128) {
+    if constexpr (kHalf) {
+      IKBO_WGMMA_RS_N128("f16");
+    } else {
+      IKBO_WGMMA_RS_N128("bf16");
+    }
+  } else {
+    if constexpr (kHalf) {
+      IKBO_WGMMA_RS_N64("f16");
+    } else {
+      IKBO_WGMMA_RS_N64("bf16");
+    }
+  }
+}
+
+#undef IKBO_WGMMA_RS_N64
+#undef IKBO_WGMMA_RS_N128
+#undef IKBO_WGMMA_SS_N64
+#undef IKBO_WGMMA_SS_N128
+#undef IKBO_WGMMA_REGS_64
+#undef IKBO_WGMMA_REGS_32
 #undef IKBO_WGMMA_ACCUMULATORS_8
 
 }  // namespace ikbo::detail::cuda::ptx

@@ -32,7 +32,8 @@
 //   Params, Accumulators (one consumer thread's registers), SharedStorage
 //     (holding `Stage stages[kStages]` and whatever the epilogue stages);
 //   kStages, kClusterSize, kConsumerWarpgroups, kProducerRegisters,
-//     kConsumerRegisters, kMaxRegisterSteps;
+//     kConsumerRegisters, kMaxRegisterSteps (the last only with the
+//     pipeline's own consumer loop, as the register-step hooks below);
 //   num_units(params), num_k_steps(params, unit);
 //   stage_bytes(params, unit, k_step)  the TMA bytes landing in one stage of
 //     one CTA for that k-step, multicasts from the other CTAs included;
@@ -53,6 +54,47 @@
 //     (e.g. wait until its TMA stores have read their shared source).
 // and launches run_pipeline<Kernel> with kPipelineThreads<Kernel> threads
 // per CTA, one CTA per SM.
+//
+// Optional extensions (a kernel that declares none of them, like LCE, runs
+// exactly the loop above):
+//
+//   describe(params, unit) -> UnitInfo  decodes a unit once per role and
+//     unit; num_k_steps, load (and the hooks below) then take the UnitInfo
+//     instead of the unit index. Without it the UnitInfo is the index.
+//
+//   Per-unit operands: kUnitStages > 0 adds a second ring of kUnitStages
+//     slots (SharedStorage::unit_stages[kUnitStages] of type UnitStage)
+//     for operands that are loaded once per unit and read by every k-step
+//     (attention's query tile), with its own barriers:
+//       unit_full[s]   one arrival per loader thread: slot s is loaded;
+//       unit_empty[s]  one arrival per consumer thread: slot s is free.
+//     Warps 1 .. kUnitLoaderWarps of the producer warpgroup fill it: for
+//     each unit with has_unit_operands(params, info), they wait for a free
+//     slot, all call load_unit(params, info, rank, slot, loader_thread)
+//     (which returns once its writes are complete and fenced for the async
+//     proxy, e.g. cp.async.wait_all + fence.proxy.async), and arrive.
+//     Single-CTA kernels only (kClusterSize == 1).
+//
+//   Kernel-owned consumer loop: kOwnsConsumerLoop = true replaces the
+//     compute/finish loop by one call per consumer warpgroup,
+//       consume(params, rank, walk, slots, steps, shared, consumer)
+//     in which the kernel walks its units itself (walk: UnitWalk, units
+//     first, first + step, ... below count) and may look ahead across
+//     them (attention issues the next unit's first product before this
+//     unit's epilogue):
+//       slots (UnitSlots): acquire() waits for the next per-unit slot in
+//         order and returns its index; release() frees the oldest acquired
+//         one (every consumer thread calls both, once per unit with
+//         has_unit_operands, in unit order; two may be held at once);
+//       steps (ConsumerSteps): random access to the k-steps, relative to
+//         the current unit's first: wait(k) waits for k-step k and returns
+//         its stage (k may run past the unit into the next one's);
+//         release(stage) hands a stage back (once per k-step, by every
+//         consumer warpgroup, after the wgmmas reading it retired, in any
+//         order); advance(num_k_steps) moves to the next unit. The
+//         producer still fills the ring in k-step order, so a kernel may
+//         hold at most kStages k-steps at once.
+//     drain(shared, consumer) runs after it, as before.
 #pragma once
 
 #include <cstdint>
@@ -70,11 +112,66 @@ inline constexpr int kWarpsPerWarpgroup = 4;
 template <class Kernel>
 inline constexpr int kPipelineThreads = kWarpgroupThreads * (1 + Kernel::kConsumerWarpgroups);
 
-template <int kStages>
+template <int kStages, int kUnitStages = 0>
 struct PipelineBarriers {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  std::uint64_t unit_full[kUnitStages];
+  std::uint64_t unit_empty[kUnitStages];
 };
+
+template <int kStages>
+struct PipelineBarriers<kStages, 0> {
+  std::uint64_t full[kStages];
+  std::uint64_t empty[kStages];
+};
+
+// The optional parts of a Kernel (see the header comment), with defaults.
+template <class Kernel>
+constexpr int unit_stages() {
+  if constexpr (requires { Kernel::kUnitStages; }) {
+    return Kernel::kUnitStages;
+  } else {
+    return 0;
+  }
+}
+
+template <class Kernel>
+constexpr bool owns_consumer_loop() {
+  if constexpr (requires { Kernel::kOwnsConsumerLoop; }) {
+    return Kernel::kOwnsConsumerLoop;
+  } else {
+    return false;
+  }
+}
+
+template <class Kernel>
+using KernelBarriers = PipelineBarriers<Kernel::kStages, unit_stages<Kernel>()>;
+
+template <class Kernel>
+__device__ __forceinline__ auto describe_unit(const typename Kernel::Params& params, int unit) {
+  if constexpr (requires { Kernel::describe(params, unit); }) {
+    return Kernel::describe(params, unit);
+  } else {
+    return unit;
+  }
+}
+
+// Hands stage `stage` back to the producers: one arrival per consumer warp
+// (by its leader) on the empty barrier of every CTA of the cluster. The
+// warp's wgmmas that read the stage must have retired.
+template <int kClusterSize>
+__device__ __forceinline__ void release_stage(std::uint64_t* empty, int stage) {
+  if (threadIdx.x % 32 != 0) return;
+  if constexpr (kClusterSize > 1) {
+#pragma unroll
+    for (int target = 0; target < kClusterSize; ++target) {
+      ptx::remote_mbarrier_arrive(&empty[stage], target);
+    }
+  } else {
+    ptx::mbarrier_arrive(&empty[stage]);
+  }
+}
 
 // A position in the ring: the stage, and the parity of the ring's current
 // pass (the phase a waiter expects to complete next).
@@ -91,21 +188,86 @@ struct PipelineState {
   }
 };
 
+// A consumer's random access to the k-steps of its current unit (kernels
+// that own their consumer loop). `first` is the ring position of the
+// unit's k-step 0.
+template <int kStages, int kClusterSize>
+struct ConsumerSteps {
+  std::uint64_t* full;
+  std::uint64_t* empty;
+  PipelineState<kStages> first;
+
+  // Waits until k-step `k_step` of the unit has landed; returns its stage.
+  __device__ __forceinline__ int wait(int k_step) const {
+    const int position = first.stage + k_step;
+    const int stage = position % kStages;
+    const std::uint32_t phase = first.phase ^ static_cast<std::uint32_t>((position / kStages) & 1);
+    ptx::mbarrier_wait(&full[stage], phase);
+    return stage;
+  }
+
+  __device__ __forceinline__ void release(int stage) const {
+    release_stage<kClusterSize>(empty, stage);
+  }
+
+  // Moves past a unit of `k_steps` k-steps.
+  __device__ __forceinline__ void advance(int k_steps) {
+    const int position = first.stage + k_steps;
+    first.stage = position % kStages;
+    first.phase ^= static_cast<std::uint32_t>((position / kStages) & 1);
+  }
+};
+
+// The units of one CTA, for kernels that own their consumer loop.
+struct UnitWalk {
+  int first, step, count;
+};
+
+// A consumer's view of the per-unit slots (see the header comment).
+template <int kSlots>
+struct UnitSlots {
+  std::uint64_t* full;
+  std::uint64_t* empty;
+  PipelineState<kSlots> acquired, released;
+
+  __device__ __forceinline__ int acquire() {
+    ptx::mbarrier_wait(&full[acquired.stage], acquired.phase);
+    const int slot = acquired.stage;
+    acquired.advance();
+    return slot;
+  }
+
+  __device__ __forceinline__ void release() {
+    ptx::mbarrier_arrive(&empty[released.stage]);
+    released.advance();
+  }
+};
+
 // The body of a pipelined kernel; every thread of the CTA calls it once.
 // `barriers` lives in static shared memory, `shared` in dynamic shared
 // memory aligned to 1024 bytes (the 128-byte swizzle atom).
 template <class Kernel>
 __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& params,
                                              typename Kernel::SharedStorage& shared,
-                                             PipelineBarriers<Kernel::kStages>& barriers) {
+                                             KernelBarriers<Kernel>& barriers) {
   constexpr int kStages = Kernel::kStages;
   constexpr int kClusterSize = Kernel::kClusterSize;
+  constexpr int kUnitStages = unit_stages<Kernel>();
+  static_assert(kUnitStages == 0 || kClusterSize == 1,
+                "per-unit operands are implemented for single-CTA kernels only");
   const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(&barriers.full[stage], 1);
       ptx::mbarrier_init(&barriers.empty[stage],
                          kClusterSize * Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup);
+    }
+    if constexpr (kUnitStages > 0) {
+      for (int slot = 0; slot < kUnitStages; ++slot) {
+        ptx::mbarrier_init(&barriers.unit_full[slot], Kernel::kUnitLoaderWarps * 32);
+        ptx::mbarrier_init(&barriers.unit_empty[slot],
+                           Kernel::kConsumerWarpgroups * kWarpgroupThreads);
+      }
     }
     ptx::fence_barrier_init();
   }
@@ -117,13 +279,34 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     __syncthreads();
   }
 
-  const int num_units = Kernel::num_units(params);
-  const int rank = kClusterSize > 1 ? static_cast<int>(ptx::cluster_rank()) : 0;
-  const int first_unit = static_cast<int>(blockIdx.x) / kClusterSize;
-  const int unit_step = static_cast<int>(gridDim.x) / kClusterSize;
+  // Read after setmaxnreg in each role: nothing stays live across it.
+  int num_units = 0, rank = 0, first_unit = 0, unit_step = 0;
+  const auto read_walk = [&] {
+    num_units = Kernel::num_units(params);
+    rank = kClusterSize > 1 ? static_cast<int>(ptx::cluster_rank()) : 0;
+    first_unit = static_cast<int>(blockIdx.x) / kClusterSize;
+    unit_step = static_cast<int>(gridDim.x) / kClusterSize;
+  };
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_decrease<Kernel::kProducerRegisters>();
+    read_walk();
+    if constexpr (kUnitStages > 0) {
+      const int warp = static_cast<int>(threadIdx.x) / 32;
+      if (warp >= 1 && warp <= Kernel::kUnitLoaderWarps) {
+        PipelineState<kUnitStages> slot;
+        for (int unit = first_unit; unit < num_units; unit += unit_step) {
+          const auto info = describe_unit<Kernel>(params, unit);
+          if (!Kernel::has_unit_operands(params, info)) continue;
+          ptx::mbarrier_wait(&barriers.unit_empty[slot.stage], slot.phase ^ 1);
+          Kernel::load_unit(params, info, rank, shared.unit_stages[slot.stage],
+                            static_cast<int>(threadIdx.x) - 32);
+          ptx::mbarrier_arrive(&barriers.unit_full[slot.stage]);
+          slot.advance();
+        }
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     // Parity of the previous pass: a fresh ring's stages count as released.
     const auto wait_released = [&](const PipelineState<kStages>& state) {
@@ -131,12 +314,13 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     };
     PipelineState<kStages> state;
     for (int unit = first_unit; unit < num_units; unit += unit_step) {
-      const int k_steps = Kernel::num_k_steps(params, unit);
+      const auto info = describe_unit<Kernel>(params, unit);
+      const int k_steps = Kernel::num_k_steps(params, info);
       for (int k_step = 0; k_step < k_steps; ++k_step) {
         wait_released(state);
         ptx::mbarrier_arrive_expect_tx(&barriers.full[state.stage],
-                                       Kernel::stage_bytes(params, unit, k_step));
-        Kernel::load(params, unit, rank, k_step, shared.stages[state.stage],
+                                       Kernel::stage_bytes(params, info, k_step));
+        Kernel::load(params, info, rank, k_step, shared.stages[state.stage],
                      &barriers.full[state.stage]);
         state.advance();
       }
@@ -153,54 +337,53 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   }
 
   ptx::setmaxnreg_increase<Kernel::kConsumerRegisters>();
+  read_walk();
   const int consumer = warpgroup - 1;
-  const bool warp_leader = threadIdx.x % 32 == 0;
-  const auto release = [&](int stage) {
-    if (!warp_leader) return;
-    if constexpr (kClusterSize > 1) {
+  if constexpr (owns_consumer_loop<Kernel>()) {
+    static_assert(kUnitStages > 0, "a kernel-owned consumer loop takes per-unit operands");
+    ConsumerSteps<kStages, kClusterSize> steps{barriers.full, barriers.empty, {}};
+    UnitSlots<kUnitStages> slots{barriers.unit_full, barriers.unit_empty, {}, {}};
+    const UnitWalk walk{first_unit, unit_step, num_units};
+    Kernel::consume(params, rank, walk, slots, steps, shared, consumer);
+    Kernel::drain(shared, consumer);
+  } else {
+    const auto release = [&](int stage) { release_stage<kClusterSize>(barriers.empty, stage); };
+    PipelineState<kStages> state;
+    typename Kernel::Accumulators accumulators{};
+    for (int unit = first_unit; unit < num_units; unit += unit_step) {
+      const int k_steps = Kernel::num_k_steps(params, unit);
+      // Register steps come first, while no wgmma is in flight: ptxas
+      // serializes every wgmma of a kernel in which ordinary instructions
+      // may write accumulators under a running wgmma.
+      const int register_steps = Kernel::num_register_steps(params, unit);
 #pragma unroll
-      for (int target = 0; target < kClusterSize; ++target) {
-        ptx::remote_mbarrier_arrive(&barriers.empty[stage], target);
+      for (int k_step = 0; k_step < Kernel::kMaxRegisterSteps; ++k_step) {
+        if (k_step >= register_steps) break;
+        ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
+        Kernel::load_registers(params, unit, rank, shared.stages[state.stage], k_step,
+                               accumulators, consumer);
+        // The arrive's release semantics order the loads before it.
+        release(state.stage);
+        state.advance();
       }
-    } else {
-      ptx::mbarrier_arrive(&barriers.empty[stage]);
+      int previous_stage = -1;
+      for (int k_step = register_steps; k_step < k_steps; ++k_step) {
+        ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
+        Kernel::compute(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
+                        consumer);
+        // One group stays in flight: the k-step just issued. The one before
+        // has retired, so its stage goes back to the producers.
+        ptx::wgmma_wait<1>();
+        if (previous_stage >= 0) release(previous_stage);
+        previous_stage = state.stage;
+        state.advance();
+      }
+      ptx::wgmma_wait<0>();
+      release(previous_stage);
+      Kernel::finish(params, unit, rank, accumulators, shared, consumer);
     }
-  };
-  PipelineState<kStages> state;
-  typename Kernel::Accumulators accumulators{};
-  for (int unit = first_unit; unit < num_units; unit += unit_step) {
-    const int k_steps = Kernel::num_k_steps(params, unit);
-    // Register steps come first, while no wgmma is in flight: ptxas
-    // serializes every wgmma of a kernel in which ordinary instructions may
-    // write accumulators under a running wgmma.
-    const int register_steps = Kernel::num_register_steps(params, unit);
-#pragma unroll
-    for (int k_step = 0; k_step < Kernel::kMaxRegisterSteps; ++k_step) {
-      if (k_step >= register_steps) break;
-      ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
-      Kernel::load_registers(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
-                             consumer);
-      // The arrive's release semantics order the loads before it.
-      release(state.stage);
-      state.advance();
-    }
-    int previous_stage = -1;
-    for (int k_step = register_steps; k_step < k_steps; ++k_step) {
-      ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
-      Kernel::compute(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
-                      consumer);
-      // One group stays in flight: the k-step just issued. The one before
-      // has retired, so its stage goes back to the producers.
-      ptx::wgmma_wait<1>();
-      if (previous_stage >= 0) release(previous_stage);
-      previous_stage = state.stage;
-      state.advance();
-    }
-    ptx::wgmma_wait<0>();
-    release(previous_stage);
-    Kernel::finish(params, unit, rank, accumulators, shared, consumer);
+    Kernel::drain(shared, consumer);
   }
-  Kernel::drain(shared, consumer);
 }
 
 }  // namespace ikbo::detail::cuda::sm90

@@ -1,0 +1,991 @@
+// src/cuda/sm90/attention_sm90.cu — IKBO attention forward on Hopper: a
+// persistent, warp-specialized flash-attention kernel (TMA, wgmma,
+// setmaxnreg) on the pipeline of sm90/pipeline.cuh, in which every query
+// tile belongs to one user and reads that user's K/V in place.
+//
+//   out[b, :, h, :] = softmax(scale * q[b,:,h,:] @ k[u,:,h,:]^T) @ v[u,:,h,:],  u = cand_to_user[b]
+//
+// Layouts (elements, row-major): q/out [B, n_seed, H, D]; K/V dense
+// [U, S, H, D] or jagged [total, H, D] with user u owning rows
+// kv_offsets[u] .. kv_offsets[u+1]. D is 64 or 128; f16 or bf16.
+//
+// Work units. The query rows of user u are the n_seed rows of each of its
+// candidates in candidates_by_user order (row r is seed r % n_seed of
+// candidate candidates_by_user[user_offsets[u] + r / n_seed]), exactly as
+// in the portable kernel. A unit is (user, head, tile of 128 of those
+// rows): all candidates in the tile share every K/V block it loads, and an
+// odd count or n_seed costs at most one partial tile per user. Units are
+// numbered slot * H + head, and user u owns the slots
+//   [floor(user_offsets[u] * n_seed / 128) + u, that of u + 1),
+// at least the ceil(count_u * n_seed / 128) tiles it needs (at most one
+// slot more: an empty unit, skipped in a few instructions), so a unit
+// finds its user by binary search over user_offsets with no per-call
+// table. Consecutive units are the heads and tiles of one user: the
+// persistent grid (CTA c takes units c, c + grid, ...) runs a user's units
+// side by side, and its K/V comes from DRAM once and from L2 after.
+//
+// CTA = 3 warpgroups (pipeline.cuh): a producer, two consumers of 64 query
+// rows each. Shared memory, all tiles in the 128-byte swizzle (16-byte
+// chunk c of a 128-byte row r at chunk c ^ (r % 8), D split into column
+// blocks of 64 elements [D/64][rows][64], every tile 1024-byte aligned):
+//   K/V ring   kStages stages of one 128-key block, K_j and V_j in
+//              alternate k-steps (K_0, V_0, K_1, V_1, ...) so that QK^T of
+//              block j may start before V_j has landed and each block is
+//              released as soon as its own product retired. Thread 0 of
+//              the producer fills it with TMA: boxes {64 d, 1 head, 128
+//              keys(, 1 user)} through a 4-D map {D, H, S, U} (dense: keys
+//              past S arrive as zeros, the next user is never read) or a
+//              3-D map {D, H, rows} (jagged: keys past the user's end are
+//              the next user's rows, or zeros past the tensor).
+//   Q ring     2 slots of one unit's 128 x D query tile plus the element
+//              offset of each row in q/out (-1: past the user's rows).
+//              Query rows come from several candidates, so producer warps
+//              1-2 gather them with 16-byte cp.async (rows past the user's
+//              rows zero-filled), wait, fence.proxy.async (wgmma reads
+//              through the async proxy what cp.async wrote through the
+//              generic one) and arrive on the slot's barrier. Double
+//              buffering lets the next unit's gather overlap this unit.
+//   O staging  each consumer warpgroup stages its normalized output in its
+//              own 64 rows of the unit's Q slot once its last QK^T retired
+//              (stmatrix, conflict-free in the swizzle), then stores whole
+//              16-byte chunks of the rows that exist; the slot goes back to
+//              the loaders after that.
+//
+// Consumer warpgroup, per unit (64 rows, K/V blocks j = 0 .. n-1):
+//   S = Q K_0^T (wgmma m64n128k16, both operands in shared memory);
+//   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and O += P V_{j-1}
+//   (wgmma with P as the register A operand, V MN-major), wait for S,
+//   softmax(S) while the PV product runs, wait for it, rescale O; finally
+//   O += P V_{n-1} and the epilogue. O is started by the unit's first PV
+//   product (scale-d = 0), never zeroed by ordinary instructions (see the
+//   look-ahead below). The online softmax runs in fp32 on exp2 with
+//   scale * log2(e) folded into one FFMA per score; the row maximum is
+//   taken on raw scores (their minimum when the scale is negative); keys
+//   past the user's length are excluded from it and get P = 0 exactly, so
+//   a block of the next user's keys (or TMA's zeros) never contributes, and
+//   a user without keys gets O = 0 (never NaN). (A non-finite V value among
+//   the next user's first 127 rows of a jagged tensor would still turn into
+//   NaN through 0 * Inf: the next user's rows are read, as in
+//   FlashAttention's varlen path.) P is rounded to the input type for PV,
+//   as in FlashAttention and the portable kernel; O is normalized and
+//   rounded once.
+//
+// The consumer loop is the kernel's own (pipeline.cuh's kernel-owned
+// loop): it walks the CTA's units, acquires each unit's Q slot, waits for
+// and releases K/V k-steps out of ring order (K_j is released as soon as
+// S_j retired, V_{j-1} once P_{j-1} V_{j-1} did).
+//
+// Look-ahead (the *_lookahead schedules): a unit's epilogue is deferred
+// until the next unit's first QK^T has been issued, so the tensor cores
+// have work while the epilogue's stores run; its Q slot is released after
+// it (two slots are then held). The finished O is first copied out of the
+// wgmma accumulators with real moves: ptxas cannot tell that the product
+// that wrote them retired before a newer one was committed, and would
+// otherwise wait for the newer one before the epilogue reads them. No
+// ordinary instruction may define accumulator registers while a product is
+// in flight (ptxas would serialize every wgmma of the kernel), hence the
+// scale-d = 0 start of O.
+//
+// Ping-pong (AttentionSm90Schedule::ping_pong): each consumer issues its
+// GEMMs of a step only in its turn, named barrier 1 + consumer, and passes
+// the turn on by arriving on the other's, so the tensor cores run one
+// warpgroup's products while the other computes its softmax (FA3's
+// scheduling). Both consumers take the same number of turns (they work on
+// the same units), consumer 1 gives the first turn away before its first
+// unit and consumer 0 takes the last one back after its last unit, which
+// leaves both barriers balanced at exit.
+#include "cuda/sm90/attention_sm90.hpp"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/check.cuh"
+#include "cuda/dtype.cuh"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/sm80.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/runtime.cuh"
+#include "cuda/sm90/pipeline.cuh"
+
+// For targets without wgmma the kernel compiles to a trap (see
+// attention_sm90_kernel), so their device passes never use the constants.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma nv_diag_suppress 177
+#endif
+
+namespace ikbo::detail::cuda {
+namespace {
+
+using sm90::kWarpgroupThreads;
+
+constexpr int kBlockM = 128;          // query rows per unit
+constexpr int kWarpgroupRows = 64;    // of which each consumer warpgroup takes one wgmma M
+constexpr int kBlockN = 128;          // keys per K/V block
+constexpr int kSwizzleElements = 64;  // elements per 128-byte swizzle row
+constexpr int kSwizzleRowBytes = 128;
+constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;  // 8-row swizzle atom
+constexpr int kSharedAlignment = 1024;
+constexpr int kWgmmaK = 16;
+constexpr int kElementBytes = 2;
+constexpr double kLog2e = 1.4426950408889634;
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+// Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
+// barrier kTurnBarrier + w; its epilogue syncs on kEpilogueBarrier + w;
+// both sync on kTailBarrier after clearing a jagged tail block's V rows.
+constexpr std::uint32_t kTurnBarrier = 1;
+constexpr std::uint32_t kEpilogueBarrier = 3;
+constexpr std::uint32_t kTailBarrier = 5;
+constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
+
+struct AttentionSm90Params {
+  // Boxes {64 d, 1 head, 128 keys} (jagged, {D, H, rows}) or
+  // {64 d, 1 head, 128 keys, 1 user} (dense, {D, H, S, U}).
+  CUtensorMap keys, values;
+  const void* q;
+  void* out;
+  const std::int32_t* user_offsets;        // [U + 1]
+  const std::int32_t* candidates_by_user;  // [B]
+  const std::int32_t* kv_offsets;          // [U + 1]; null: dense K/V
+  int num_users, heads, n_seed, dense_seq_len;
+  int num_units;
+  float scale_log2;  // scale * log2(e)
+};
+
+// One unit, decoded once per role (AttentionSm90Kernel::describe).
+struct AttentionUnit {
+  int head = 0;
+  int user = 0;
+  int rows = 0;                  // query rows of the tile, 0 .. 128 (0: an empty unit)
+  int blocks = 0;                // K/V blocks to walk (0 when rows == 0 or the user has no keys)
+  int kv_length = 0;             // the user's keys
+  std::int64_t group_begin = 0;  // first entry of the user's group in candidates_by_user
+  std::int64_t first_row = 0;    // first of the tile's rows among the user's query rows
+  std::int64_t kv_row = 0;       // jagged: the user's first K/V row
+};
+
+// threadIdx.x, read where it is used: a volatile read cannot be hoisted out
+// of the unit loop.
+__device__ __forceinline__ int thread_index_here() {
+  int index;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(index));
+  return index;
+}
+
+// Byte offset of 16-byte chunk `chunk` (0 .. D/8) of row `row` in a
+// [D/64][kRows][64] tile with the 128-byte swizzle.
+template <int kRows>
+__device__ __forceinline__ std::uint32_t tile_offset(int row, int chunk) {
+  return static_cast<std::uint32_t>((chunk / 8) * (kRows * kSwizzleRowBytes) +
+                                    row * kSwizzleRowBytes + (((chunk % 8) ^ (row % 8)) << 4));
+}
+
+// Byte offset of k16 slice `slice` of a K-major [D/64][kRows][64] operand:
+// four 32-byte slices per swizzle row, then the next column block.
+template <int kRows>
+__device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
+  return static_cast<std::uint32_t>((slice / 4) * (kRows * kSwizzleRowBytes) + (slice % 4) * 32);
+}
+
+template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead>
+struct AttentionSm90Kernel {
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kClusterSize = 1;
+  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128).
+  static constexpr int kStages = kHeadDim == 64 ? 8 : 4;
+  static constexpr int kUnitStages = 2;
+  static constexpr int kUnitLoaderWarps = 2;
+  static constexpr bool kOwnsConsumerLoop = true;
+  // 128 x 40 + 256 x 232 <= 64K registers of the SM.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+
+  static constexpr int kColumnBlocks = kHeadDim / kSwizzleElements;
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kScoreRegisters = kBlockN / 2;  // m64n128 fp32 fragment per thread
+  static constexpr int kOutRegisters = kHeadDim / 2;   // m64nD fp32 fragment per thread
+  static constexpr int kQkSlices = kHeadDim / kWgmmaK;
+  static constexpr int kPvSlices = kBlockN / kWgmmaK;
+
+  using Params = AttentionSm90Params;
+  using UnitInfo = AttentionUnit;
+  struct Stage {
+    Element tile[kColumnBlocks][kBlockN * kSwizzleElements];  // K or V block [d block][key][64]
+  };
+  struct alignas(kSharedAlignment) UnitStage {
+    Element q[kColumnBlocks][kBlockM * kSwizzleElements];  // [d block][row][64]; later O
+    std::int64_t row_offsets[kBlockM];                     // element offset in q/out, -1: none
+  };
+  struct SharedStorage {
+    Stage stages[kStages];
+    UnitStage unit_stages[kUnitStages];
+  };
+  static_assert(sizeof(Stage) % kSharedAlignment == 0 &&
+                    sizeof(Stage::tile[0]) % kSharedAlignment == 0 &&
+                    sizeof(UnitStage::q[0]) % kSharedAlignment == 0 &&
+                    kWarpgroupRows * kSwizzleRowBytes % kSharedAlignment == 0,
+                "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
+
+  // ---- units ----
+
+  // First slot of `user` (see the header comment).
+  __device__ static std::int64_t first_slot(const Params& params, int user) {
+    return static_cast<std::int64_t>(params.user_offsets[user]) * params.n_seed / kBlockM + user;
+  }
+
+  __device__ static UnitInfo describe(const Params& params, int unit) {
+    UnitInfo info;
+    info.head = unit % params.heads;
+    const std::int64_t slot = unit / params.heads;
+    // The last user whose first slot is <= slot (first slots strictly increase).
+    int low = 0, high = params.num_users;
+    while (high - low > 1) {
+      const int middle = (low + high) / 2;
+      if (first_slot(params, middle) <= slot) {
+        low = middle;
+      } else {
+        high = middle;
+      }
+    }
+    info.user = low;
+    info.group_begin = params.user_offsets[low];
+    const std::int64_t user_rows =
+        (params.user_offsets[low + 1] - info.group_begin) * params.n_seed;
+    info.first_row = (slot - first_slot(params, low)) * kBlockM;
+    info.rows = static_cast<int>(
+        std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kBlockM));
+    if (params.kv_offsets != nullptr) {
+      info.kv_row = params.kv_offsets[low];
+      info.kv_length = params.kv_offsets[low + 1] - params.kv_offsets[low];
+    } else {
+      info.kv_length = params.dense_seq_len;
+    }
+    info.blocks = info.rows > 0 ? (info.kv_length + kBlockN - 1) / kBlockN : 0;
+    return info;
+  }
+
+  __device__ static int num_units(const Params& params) { return params.num_units; }
+
+  // K_j is k-step 2j, V_j k-step 2j + 1.
+  __device__ static int num_k_steps(const Params&, const UnitInfo& info) { return 2 * info.blocks; }
+
+  __device__ static bool has_unit_operands(const Params&, const UnitInfo& info) {
+    return info.rows > 0;
+  }
+
+  // ---- producer ----
+
+  // Every k-step fills its whole stage (keys past the end arrive as zeros).
+  __device__ static std::uint32_t stage_bytes(const Params&, const UnitInfo&, int) {
+    return sizeof(Stage);
+  }
+
+  __device__ static void load(const Params& params, const UnitInfo& info, int, int k_step,
+                              Stage& stage, std::uint64_t* full) {
+    const CUtensorMap* map = (k_step & 1) != 0 ? &params.values : &params.keys;
+    const int first_key = (k_step >> 1) * kBlockN;
+#pragma unroll
+    for (int block = 0; block < kColumnBlocks; ++block) {
+      if (params.kv_offsets != nullptr) {
+        ptx::tma_load(stage.tile[block], map, block * kSwizzleElements, info.head,
+                      static_cast<std::int32_t>(info.kv_row + first_key), full);
+      } else {
+        ptx::tma_load(stage.tile[block], map, block * kSwizzleElements, info.head, first_key,
+                      info.user, full);
+      }
+    }
+  }
+
+  // Warps 1-2 of the producer (loader 0 .. 63): warp w gathers rows
+  // 64w .. 64w + 63 of the tile. Each lane finds the offsets of two rows;
+  // the warp then copies kChunksPerRow / 32-row passes, lane l moving chunk
+  // l % kChunksPerRow of a row, so each cp.async instruction reads whole
+  // contiguous rows.
+  __device__ static void load_unit(const Params& params, const UnitInfo& info, int,
+                                   UnitStage& unit_stage, int loader) {
+    const int warp = loader / 32, lane = loader % 32;
+    const int first = warp * kWarpgroupRows;
+    const auto* q = static_cast<const Element*>(params.q);
+    const auto row_offset = [&](int row) -> std::int64_t {
+      if (row >= info.rows) return -1;
+      const std::int64_t user_row = info.first_row + row;
+      const std::int64_t candidate =
+          params.candidates_by_user[info.group_begin + user_row / params.n_seed];
+      return ((candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head) *
+             kHeadDim;
+    };
+    const std::int64_t low_offset = row_offset(first + lane);
+    const std::int64_t high_offset = row_offset(first + 32 + lane);
+    unit_stage.row_offsets[first + lane] = low_offset;
+    unit_stage.row_offsets[first + 32 + lane] = high_offset;
+
+    constexpr int kRowsPerPass = 32 / kChunksPerRow;
+    const int chunk = lane % kChunksPerRow;
+    const std::uint32_t tile = ptx::shared_address(unit_stage.q[0]);
+#pragma unroll 4
+    for (int pass = 0; pass < kWarpgroupRows / kRowsPerPass; ++pass) {
+      const int local = pass * kRowsPerPass + lane / kChunksPerRow;
+      // Every lane of a pass reads from the same half (rows below or above 32).
+      const std::int64_t offset =
+          __shfl_sync(kFullWarp, local < 32 ? low_offset : high_offset, local % 32);
+      const bool valid = offset >= 0;
+      ptx::cp_async_16(tile + tile_offset<kBlockM>(first + local, chunk),
+                       valid ? q + offset + chunk * 8 : q, valid);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+    ptx::fence_async_shared();
+  }
+
+  // ---- consumers ----
+
+  __device__ __forceinline__ static void turn_begin(int consumer) {
+    if constexpr (kPingPong) ptx::named_barrier_sync<kConsumerThreads>(kTurnBarrier + consumer);
+  }
+
+  __device__ __forceinline__ static void turn_end(int consumer) {
+    if constexpr (kPingPong) {
+      ptx::named_barrier_arrive<kConsumerThreads>(kTurnBarrier + (consumer ^ 1));
+    }
+  }
+
+  __device__ static void drain(SharedStorage&, int consumer) {
+    if (consumer == 0) turn_begin(consumer);  // the turn consumer 1 handed back last
+  }
+
+  // One block's online softmax on this thread's scores: rows
+  // 16 * warp + lane / 4 (half 0) and + 8 (half 1), columns
+  // 8 * group + 2 * (lane % 4) + {0, 1} of register 4 * group + {0, 1}
+  // (half 0) and + {2, 3} (half 1). Replaces the scores by
+  // P = exp2(scale_log2 * score - row_max) and returns the factor by which
+  // earlier results must be rescaled. kMasked: keys >= valid_keys are
+  // excluded (P = 0).
+  template <bool kMasked>
+  __device__ __forceinline__ static void online_softmax(float (&scores)[kScoreRegisters],
+                                                        float (&row_max)[2], float (&row_sum)[2],
+                                                        float (&correction)[2], float scale_log2,
+                                                        int valid_keys) {
+    const int column = 2 * (static_cast<int>(threadIdx.x) % 4);
+    const auto valid = [&](int index) {
+      return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
+    };
+    float extreme[2];
+    // max(scale * s) = scale * max(s) for scale >= 0, scale * min(s) otherwise.
+    if (scale_log2 >= 0.0f) {
+      extreme[0] = extreme[1] = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kScoreRegisters; ++i) {
+        if (valid(i)) extreme[(i / 2) % 2] = fmaxf(extreme[(i / 2) % 2], scores[i]);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        extreme[half] = fmaxf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
+        extreme[half] = fmaxf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
+      }
+    } else {
+      extreme[0] = extreme[1] = INFINITY;
+#pragma unroll
+      for (int i = 0; i < kScoreRegisters; ++i) {
+        if (valid(i)) extreme[(i / 2) % 2] = fminf(extreme[(i / 2) % 2], scores[i]);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        extreme[half] = fminf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
+        extreme[half] = fminf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
+      }
+    }
+    float negative_max[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Every block holds a valid key, so the new maximum is finite and the
+      // first block's correction exp2(-inf) is 0.
+      const float new_max = fmaxf(row_max[half], extreme[half] * scale_log2);
+      correction[half] = ptx::exp2_approx(row_max[half] - new_max);
+      row_max[half] = new_max;
+      negative_max[half] = -new_max;
+    }
+    float block_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < kScoreRegisters; ++i) {
+      const int half = (i / 2) % 2;
+      float p = ptx::exp2_approx(fmaf(scores[i], scale_log2, negative_max[half]));
+      if constexpr (kMasked) p = valid(i) ? p : 0.0f;
+      scores[i] = p;
+      block_sum[half] += p;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_sum[half] = row_sum[half] * correction[half] + block_sum[half];
+    }
+  }
+
+  // Registers of one consumer thread that live across units.
+  struct ConsumerRegisters {
+    float scores[kScoreRegisters];            // S of the current block, then its P in fp32
+    std::uint32_t p_fragments[kPvSlices][4];  // P rounded, the A operand of PV
+    float out_acc[kOutRegisters];
+    float row_max[2];  // log2 domain, scaled
+    float row_sum[2];  // this thread's columns only until the epilogue
+  };
+
+  // S = Q K^T for this warpgroup's 64 rows of `unit_stage` and the K block
+  // in `stage`, committed as one group. Q and K are K-major.
+  __device__ __forceinline__ static void issue_scores(ConsumerRegisters& registers,
+                                                      const UnitStage& unit_stage,
+                                                      const Stage& stage, int consumer) {
+    const std::uint64_t q_descriptor = ptx::wgmma_descriptor_sw128(
+        unit_stage.q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16, kAtomBytes);
+    const std::uint64_t k_descriptor = ptx::wgmma_descriptor_sw128(stage.tile[0], 16, kAtomBytes);
+#pragma unroll
+    for (int slice = 0; slice < kQkSlices; ++slice) {
+      ptx::wgmma_ss<Element, 0, 0, kBlockN>(
+          registers.scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
+          ptx::advance_descriptor(k_descriptor, k_slice_offset<kBlockN>(slice)), slice > 0);
+    }
+    ptx::wgmma_commit_group();
+  }
+
+  // O += P V for the V block in `stage` (MN-major: d contiguous, its 64-wide
+  // d blocks kBlockN rows apart), committed as one group.
+  __device__ __forceinline__ static void issue_pv(ConsumerRegisters& registers, const Stage& stage,
+                                                  bool accumulate) {
+    const std::uint64_t v_descriptor =
+        ptx::wgmma_descriptor_sw128(stage.tile[0], kBlockN * kSwizzleRowBytes, kAtomBytes);
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+      ptx::wgmma_rs<Element, 1, kHeadDim>(
+          registers.out_acc, registers.p_fragments[slice],
+          ptx::advance_descriptor(v_descriptor, slice * kWgmmaK * kSwizzleRowBytes),
+          accumulate || slice > 0);
+    }
+    ptx::wgmma_commit_group();
+  }
+
+  // P in registers as the A operand of the next PV (see wgmma.cuh).
+  __device__ __forceinline__ static void convert(ConsumerRegisters& registers) {
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        registers.p_fragments[slice][i] = ptx::pack_pair<Element>(
+            registers.scores[8 * slice + 2 * i], registers.scores[8 * slice + 2 * i + 1]);
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void fence_pv_operands(ConsumerRegisters& registers) {
+    ptx::fence_operands(registers.out_acc);
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+      ptx::fence_operands(registers.p_fragments[slice]);
+    }
+  }
+
+  // The units of this CTA, in order, for one consumer warpgroup.
+  //
+  // kLookahead defers each unit's epilogue into the next unit: it runs
+  // right after that unit's first QK^T has been issued, so the tensor
+  // cores work through it. Only ordinary reads of the finished O happen
+  // while the product is in flight: an ordinary instruction that defined
+  // wgmma accumulator registers there (a zeroed O, or the register copies
+  // a conditionally issued wgmma leaves at a branch merge) would make
+  // ptxas serialize every wgmma of the kernel. Hence O is started by each
+  // unit's first PV product (scale-d = 0) rather than zeroed.
+  template <class Walk, class Slots, class Steps>
+  __device__ __forceinline__ static void consume(const Params& params, int, const Walk& walk,
+                                                 Slots& slots, Steps& steps, SharedStorage& shared,
+                                                 int consumer) {
+    if (consumer == 1) turn_end(consumer);  // consumer 0 takes the first turn
+    ConsumerRegisters registers;
+#pragma unroll
+    for (int i = 0; i < kScoreRegisters; ++i) registers.scores[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] = 0.0f;
+    // The epilogue owed for the previous unit (kLookahead).
+    bool owed = false;
+    int owed_slot = 0;
+    float owed_row_sum[2] = {0.0f, 0.0f};
+    // The owed O, copied out of the wgmma accumulators by real moves: ptxas
+    // cannot tell that the product which wrote out_acc retired before the
+    // next unit's first one was committed, and would wait for that one
+    // before reading out_acc.
+    float owed_out[kLookahead ? kOutRegisters : 1];
+    const auto settle = [&] {
+      if (!owed) return;
+      epilogue(params, shared.unit_stages[owed_slot], consumer, owed_out, owed_row_sum, false);
+      slots.release();
+      owed = false;
+    };
+    for (int unit = walk.first; unit < walk.count; unit += walk.step) {
+      const UnitInfo info = describe(params, unit);
+      if (info.rows > 0) {
+        const int slot = slots.acquire();
+        if (info.blocks > 0) {
+          main_loop(params, info, steps, shared, slot, consumer, registers, settle);
+          if constexpr (kLookahead) {
+#pragma unroll
+            for (int i = 0; i < kOutRegisters; ++i) {
+              asm volatile("mov.b32 %0, %1;\n" : "=f"(owed_out[i]) : "f"(registers.out_acc[i]));
+            }
+            owed = true;
+            owed_slot = slot;
+            owed_row_sum[0] = registers.row_sum[0];
+            owed_row_sum[1] = registers.row_sum[1];
+          } else {
+            epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
+                     registers.row_sum, false);
+            slots.release();
+          }
+        } else {
+          settle();  // slots are released in order
+          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc, registers.row_sum,
+                   true);
+          slots.release();
+        }
+      }
+      steps.advance(num_k_steps(params, info));
+    }
+    settle();
+  }
+
+  // One unit with at least one K/V block; on return every product of the
+  // unit has retired and registers.out_acc / row_sum hold its O and row
+  // sums. `after_first_issue` runs while the first QK^T is in flight.
+  template <class Steps, class AfterFirstIssue>
+  __device__ __forceinline__ static void main_loop(const Params& params, const UnitInfo& info,
+                                                   Steps& steps, SharedStorage& shared, int slot,
+                                                   int consumer, ConsumerRegisters& registers,
+                                                   AfterFirstIssue&& after_first_issue) {
+    const int blocks = info.blocks;
+    const int tail_keys = info.kv_length - (blocks - 1) * kBlockN;  // 1 .. 128
+    const float scale_log2 = params.scale_log2;
+    const UnitStage& unit_stage = shared.unit_stages[slot];
+    float correction[2];
+    const auto softmax = [&](int block) {
+      if (block == blocks - 1 && tail_keys < kBlockN) {
+        online_softmax<true>(registers.scores, registers.row_max, registers.row_sum, correction,
+                             scale_log2, tail_keys);
+      } else {
+        online_softmax<false>(registers.scores, registers.row_max, registers.row_sum, correction,
+                              scale_log2, kBlockN);
+      }
+    };
+
+    // Block 0: S = Q K_0^T, softmax.
+    {
+      const int k_stage = steps.wait(0);
+      turn_begin(consumer);
+      ptx::fence_operands(registers.scores);
+      ptx::wgmma_fence();
+      issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
+      turn_end(consumer);
+      after_first_issue();
+      registers.row_max[0] = registers.row_max[1] = -INFINITY;
+      registers.row_sum[0] = registers.row_sum[1] = 0.0f;
+      ptx::wgmma_wait<0>();
+      ptx::fence_operands(registers.scores);
+      steps.release(k_stage);
+      softmax(0);
+      convert(registers);
+    }
+    // Block j: S = Q K_j^T and O += P_{j-1} V_{j-1} in flight together;
+    // the softmax of block j runs while the PV product does.
+    for (int block = 1; block < blocks; ++block) {
+      const int k_stage = steps.wait(2 * block);
+      const int v_stage = steps.wait(2 * block - 1);
+      turn_begin(consumer);
+      ptx::fence_operands(registers.scores);
+      ptx::fence_operands(registers.out_acc);
+      ptx::wgmma_fence();
+      issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
+      issue_pv(registers, shared.stages[v_stage], block > 1);  // PV_0 starts O
+      turn_end(consumer);
+      ptx::wgmma_wait<1>();  // S retired, PV may still run
+      ptx::fence_operands(registers.scores);
+      steps.release(k_stage);
+      softmax(block);
+      ptx::wgmma_wait<0>();
+      // Until here the PV product owned out_acc and read p_fragments.
+      fence_pv_operands(registers);
+      steps.release(v_stage);
+#pragma unroll
+      for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
+      convert(registers);
+    }
+    // O += P_{n-1} V_{n-1}.
+    const int v_stage = steps.wait(2 * blocks - 1);
+    if (params.kv_offsets != nullptr && tail_keys < kBlockN) {
+      clear_tail_rows(shared.stages[v_stage], tail_keys, consumer);
+    }
+    turn_begin(consumer);
+    ptx::fence_operands(registers.out_acc);
+    ptx::wgmma_fence();
+    issue_pv(registers, shared.stages[v_stage], blocks > 1);
+    turn_end(consumer);
+    ptx::wgmma_wait<0>();
+    fence_pv_operands(registers);
+    steps.release(v_stage);
+  }
+
+  // Jagged K/V: the rows of a user's last block past its keys are the next
+  // user's. Their P is 0, but 0 * Inf is NaN, so both consumer warpgroups
+  // zero those V rows (a row of a 64-wide column block is 128 contiguous
+  // bytes; the swizzle only permutes its 16-byte chunks) before either
+  // issues the block's PV. Dense K/V needs none of this: the tensor map
+  // zero-fills keys past S.
+  __device__ __forceinline__ static void clear_tail_rows(Stage& stage, int tail_keys,
+                                                         int consumer) {
+    constexpr int kChunksPerBlockRow = kSwizzleRowBytes / 16;
+    const int chunks = (kBlockN - tail_keys) * kChunksPerBlockRow;
+    const int thread = consumer * kWarpgroupThreads + thread_index_here() % kWarpgroupThreads;
+#pragma unroll
+    for (int block = 0; block < kColumnBlocks; ++block) {
+      auto* rows = reinterpret_cast<uint4*>(stage.tile[block] + tail_keys * kSwizzleElements);
+      for (int chunk = thread; chunk < chunks; chunk += kConsumerThreads) {
+        rows[chunk] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    // The zeros must be visible to the wgmma (async proxy) of both
+    // warpgroups.
+    ptx::fence_async_shared();
+    ptx::named_barrier_sync<kConsumerThreads>(kTailBarrier);
+  }
+
+  // Normalizes, rounds and stores this warpgroup's 64 rows: stmatrix into
+  // its own rows of the unit's Q slot (its QK^T products have retired; the
+  // other warpgroup reads only its own rows), then 16-byte chunks of the
+  // rows that exist.
+  __device__ __forceinline__ static void epilogue(const Params& params, UnitStage& unit_stage,
+                                                  int consumer, const float* out_acc,
+                                                  const float (&row_sum)[2], bool no_keys) {
+    // The thread index is read here, not hoisted: otherwise the compiler
+    // keeps every lane-dependent epilogue address live across the whole
+    // unit loop and spills them.
+    const int thread = thread_index_here() % kWarpgroupThreads;
+    const int warp = thread / 32, lane = thread % 32;
+    float inverse_sum[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[half];
+      sum += __shfl_xor_sync(kFullWarp, sum, 1);
+      sum += __shfl_xor_sync(kFullWarp, sum, 2);
+      inverse_sum[half] = sum > 0.0f ? __fdividef(1.0f, sum) : 0.0f;
+    }
+    // stmatrix.x4 over 8-column groups 2 * pair and 2 * pair + 1: matrix i
+    // holds rows 8 * (i % 2) .. + 7 of the warp's 16 and group
+    // 2 * pair + i / 2; lane l addresses row l % 8 of matrix l / 8.
+    const std::uint32_t tile = ptx::shared_address(unit_stage.q[0]);
+    const int matrix = lane / 8;
+    const int lane_row = consumer * kWarpgroupRows + warp * 16 + (matrix % 2) * 8 + lane % 8;
+#pragma unroll
+    for (int pair = 0; pair < kHeadDim / 16; ++pair) {
+      // Register 4 * group + r belongs to row half r / 2.
+      const auto pair_at = [&](int group, int half) {
+        const float low = out_acc[4 * group + 2 * half], high = out_acc[4 * group + 2 * half + 1];
+        return no_keys ? 0u
+                       : ptx::pack_pair<Element>(low * inverse_sum[half], high * inverse_sum[half]);
+      };
+      ptx::stmatrix_x4(tile + tile_offset<kBlockM>(lane_row, 2 * pair + matrix / 2),
+                       pair_at(2 * pair, 0), pair_at(2 * pair, 1), pair_at(2 * pair + 1, 0),
+                       pair_at(2 * pair + 1, 1));
+    }
+    ptx::named_barrier_sync<kWarpgroupThreads>(kEpilogueBarrier + consumer);
+    auto* out = static_cast<Element*>(params.out);
+    const auto* staged = reinterpret_cast<const unsigned char*>(unit_stage.q[0]);
+#pragma unroll
+    for (int pass = 0; pass < kWarpgroupRows * kChunksPerRow / kWarpgroupThreads; ++pass) {
+      const int index = pass * kWarpgroupThreads + thread;
+      const int row = consumer * kWarpgroupRows + index / kChunksPerRow;
+      const int chunk = index % kChunksPerRow;
+      const std::int64_t offset = unit_stage.row_offsets[row];
+      if (offset >= 0) {
+        *reinterpret_cast<uint4*>(out + offset + chunk * 8) =
+            *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
+      }
+    }
+  }
+};
+
+template <class Kernel>
+constexpr std::size_t kDynamicSharedBytes =
+    sizeof(typename Kernel::SharedStorage) + kSharedAlignment;
+
+template <class Kernel>
+__global__ void __launch_bounds__(sm90::kPipelineThreads<Kernel>, 1)
+    attention_sm90_kernel(const __grid_constant__ AttentionSm90Params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // Static shared memory exists only in this sm_90a body: the host reads it
+  // back (cudaFuncGetAttributes) to know that the binary carries the kernel.
+  __shared__ sm90::KernelBarriers<Kernel> barriers;
+  extern __shared__ unsigned char dynamic_shared[];
+  const std::uint32_t misalignment = ptx::shared_address(dynamic_shared) % kSharedAlignment;
+  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(
+      dynamic_shared + (misalignment == 0 ? 0 : kSharedAlignment - misalignment));
+  sm90::run_pipeline<Kernel>(params, shared, barriers);
+#elif defined(__CUDA_ARCH__)
+  // Compiled for a target without wgmma; attention_sm90_available() keeps
+  // the host from launching it.
+  __trap();
+#endif
+}
+
+// ---- device support, probed once per device ----
+
+struct DeviceSupport {
+  bool available = false;
+  int multiprocessors = 0;
+};
+
+// Calls fn(Kernel{}) for every instantiation.
+template <typename Element, int kHeadDim, typename Fn>
+void for_each_schedule(Fn&& fn) {
+  fn(AttentionSm90Kernel<Element, kHeadDim, true, false>{});
+  fn(AttentionSm90Kernel<Element, kHeadDim, false, false>{});
+  fn(AttentionSm90Kernel<Element, kHeadDim, true, true>{});
+  fn(AttentionSm90Kernel<Element, kHeadDim, false, true>{});
+}
+
+template <typename Fn>
+void for_each_kernel(Fn&& fn) {
+  for_each_schedule<__half, 64>(fn);
+  for_each_schedule<__half, 128>(fn);
+  for_each_schedule<__nv_bfloat16, 64>(fn);
+  for_each_schedule<__nv_bfloat16, 128>(fn);
+}
+
+DeviceSupport probe_device(int ordinal) {
+  DeviceGuard guard(ordinal);
+  int major = 0, minor = 0, multiprocessors = 0, shared_optin = 0;
+  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
+  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal));
+  IKBO_CUDA_CHECK(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, ordinal));
+  IKBO_CUDA_CHECK(
+      cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal));
+  // sm_90a code runs on compute capability 9.0 only.
+  if (major != 9 || minor != 0) return {};
+  bool available = true;
+  for_each_kernel([&](auto kernel_traits) {
+    using Kernel = decltype(kernel_traits);
+    if (!available) return;
+    cudaFuncAttributes attributes{};
+    const cudaError_t status = cudaFuncGetAttributes(&attributes, attention_sm90_kernel<Kernel>);
+    if (status == cudaErrorInvalidDeviceFunction || status == cudaErrorNoKernelImageForDevice) {
+      static_cast<void>(cudaGetLastError());  // not sticky; keep it from later launch checks
+      available = false;
+      return;
+    }
+    IKBO_CUDA_CHECK(status);
+    if (attributes.sharedSizeBytes == 0 ||
+        static_cast<std::size_t>(shared_optin) <
+            kDynamicSharedBytes<Kernel> + attributes.sharedSizeBytes) {
+      available = false;
+      return;
+    }
+    IKBO_CUDA_CHECK(cudaFuncSetAttribute(attention_sm90_kernel<Kernel>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kDynamicSharedBytes<Kernel>)));
+  });
+  return {available, multiprocessors};
+}
+
+DeviceSupport device_support(int ordinal) {
+  static std::mutex mutex;
+  static std::vector<std::optional<DeviceSupport>> probed(
+      static_cast<std::size_t>(device::device_count()));
+  if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= probed.size()) return {};
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& entry = probed[static_cast<std::size_t>(ordinal)];
+  if (!entry) entry = probe_device(ordinal);
+  return *entry;
+}
+
+bool environment_flag_set(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && !std::string_view(value).empty() && std::string_view(value) != "0";
+}
+
+std::atomic<bool>& enabled_switch() {
+  static std::atomic<bool> enabled{!environment_flag_set("IKBO_DISABLE_SM90")};
+  return enabled;
+}
+
+std::atomic<AttentionSm90Schedule>& schedule_switch() {
+  static std::atomic<AttentionSm90Schedule> schedule{[] {
+    const char* value = std::getenv("IKBO_ATTENTION_SM90_SCHEDULE");
+    const std::string_view name = value != nullptr ? value : "";
+    if (name == "ping_pong") return AttentionSm90Schedule::ping_pong;
+    if (name == "cooperative") return AttentionSm90Schedule::cooperative;
+    if (name == "ping_pong_lookahead") return AttentionSm90Schedule::ping_pong_lookahead;
+    return AttentionSm90Schedule::cooperative_lookahead;
+  }()};
+  return schedule;
+}
+
+// ---- launch ----
+
+bool aligned_16(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
+
+std::int64_t kv_rows(const AttentionArgs& args) {
+  return args.kv_offsets != nullptr ? args.kv_offsets->offsets.back()
+                                    : args.num_users * args.dense_seq_len;
+}
+
+// Units of the walk: H * (floor(B * n_seed / 128) + U), see the header comment.
+std::int64_t unit_count(const AttentionArgs& args) {
+  return args.heads * (args.num_candidates * args.n_seed / kBlockM + args.num_users);
+}
+
+template <typename Element>
+constexpr CUtensorMapDataType kTensorMapType =
+    std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+
+// K or V in boxes of 64 d x 1 head x 128 keys (x 1 user).
+template <typename Element>
+CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
+  const auto row_bytes = static_cast<cuuint64_t>(args.head_dim * kElementBytes);
+  ptx::TensorMapLayout layout;
+  layout.dims[0] = static_cast<cuuint64_t>(args.head_dim);
+  layout.dims[1] = static_cast<cuuint64_t>(args.heads);
+  layout.strides_bytes[0] = row_bytes;
+  layout.strides_bytes[1] = row_bytes * static_cast<cuuint64_t>(args.heads);
+  layout.box[0] = kSwizzleElements;
+  layout.box[1] = 1;
+  layout.box[2] = kBlockN;
+  if (args.kv_offsets != nullptr) {
+    layout.rank = 3;
+    layout.dims[2] = static_cast<cuuint64_t>(kv_rows(args));
+  } else {
+    layout.rank = 4;
+    layout.dims[2] = static_cast<cuuint64_t>(args.dense_seq_len);
+    layout.dims[3] = static_cast<cuuint64_t>(args.num_users);
+    layout.strides_bytes[2] = layout.strides_bytes[1] * static_cast<cuuint64_t>(args.dense_seq_len);
+    layout.box[3] = 1;
+  }
+  return ptx::make_tensor_map(kTensorMapType<Element>, base, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+template <class Kernel>
+void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t stream) {
+  const int grid = std::min(params.num_units, multiprocessors);
+  attention_sm90_kernel<Kernel>
+      <<<grid, sm90::kPipelineThreads<Kernel>, kDynamicSharedBytes<Kernel>, stream>>>(params);
+  check_launch("attention_sm90_kernel");
+}
+
+template <typename Element, int kHeadDim>
+void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
+                     int multiprocessors, cudaStream_t stream) {
+  switch (schedule) {
+    case AttentionSm90Schedule::ping_pong:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, true, false>>(params, multiprocessors,
+                                                                         stream);
+    case AttentionSm90Schedule::cooperative:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, false, false>>(params, multiprocessors,
+                                                                          stream);
+    case AttentionSm90Schedule::ping_pong_lookahead:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, true, true>>(params, multiprocessors,
+                                                                        stream);
+    case AttentionSm90Schedule::cooperative_lookahead:
+      return launch<AttentionSm90Kernel<Element, kHeadDim, false, true>>(params, multiprocessors,
+                                                                         stream);
+  }
+  throw RuntimeError("attention_sm90: unknown schedule");
+}
+
+template <typename Element>
+void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule,
+                        int multiprocessors) {
+  const CandidateMapDeviceView& map = args.map->device_view;
+  AttentionSm90Params params{};
+  params.keys = kv_map<Element>(args.k, args);
+  params.values = kv_map<Element>(args.v, args);
+  params.q = args.q;
+  params.out = args.out;
+  params.user_offsets = map.user_offsets;
+  params.candidates_by_user = map.candidates_by_user;
+  params.kv_offsets = args.kv_offsets != nullptr ? args.kv_offsets->device_offsets : nullptr;
+  params.num_users = static_cast<int>(args.num_users);
+  params.heads = static_cast<int>(args.heads);
+  params.n_seed = static_cast<int>(args.n_seed);
+  params.dense_seq_len = static_cast<int>(args.dense_seq_len);
+  params.num_units = static_cast<int>(unit_count(args));
+  params.scale_log2 = args.scale * static_cast<float>(kLog2e);
+  if (params.num_units == 0) return;
+  const cudaStream_t stream = to_cuda_stream(args.stream);
+  if (args.head_dim == 64) {
+    launch_schedule<Element, 64>(params, schedule, multiprocessors, stream);
+  } else {
+    launch_schedule<Element, 128>(params, schedule, multiprocessors, stream);
+  }
+}
+
+}  // namespace
+
+bool attention_sm90_available(Device device) {
+  return device.is_cuda() && device_support(device.index).available;
+}
+
+bool attention_sm90_supported(const AttentionArgs& args) {
+  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+  if (args.dtype != DType::f16 && args.dtype != DType::bf16) return false;
+  if (args.head_dim != 64 && args.head_dim != 128) return false;
+  if (!aligned_16(args.q) || !aligned_16(args.k) || !aligned_16(args.v) || !aligned_16(args.out)) {
+    return false;
+  }
+  const std::int64_t rows = kv_rows(args);
+  // TMA coordinates are int32; a tensor map cannot describe an empty tensor.
+  // (Blocks start up to 127 keys before the end of a user's keys.)
+  if (rows <= 0 || rows > kInt32Max - kBlockN || args.num_users > kInt32Max ||
+      args.n_seed > kInt32Max || args.heads > kInt32Max ||
+      args.dense_seq_len > kInt32Max - kBlockN) {
+    return false;
+  }
+  if (args.num_candidates * args.n_seed > kInt32Max || unit_count(args) > kInt32Max) return false;
+  return attention_sm90_available(args.map->device);
+}
+
+bool attention_sm90_eligible(const AttentionArgs& args) {
+  return attention_sm90_enabled() && attention_sm90_supported(args);
+}
+
+void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule) {
+  DeviceGuard guard(args.map->device.index);
+  const int multiprocessors = device_support(args.map->device.index).multiprocessors;
+  dispatch_float_dtype(args.dtype, [&](auto element) {
+    using Element = decltype(element);
+    if constexpr (std::is_same_v<Element, float>) {
+      throw RuntimeError("attention_sm90: no Hopper kernel for float32 (not supported)");
+    } else {
+      run_attention_sm90<Element>(args, schedule, multiprocessors);
+    }
+  });
+}
+
+bool attention_sm90_enabled() { return enabled_switch().load(); }
+
+void set_attention_sm90_enabled(bool enabled) { enabled_switch().store(enabled); }
+
+AttentionSm90Schedule attention_sm90_schedule() { return schedule_switch().load(); }
+
+void set_attention_sm90_schedule(AttentionSm90Schedule schedule) {
+  schedule_switch().store(schedule);
+}
+
+}  // namespace ikbo::detail::cuda
