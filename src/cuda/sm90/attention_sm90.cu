@@ -143,6 +143,9 @@ constexpr int kSharedAlignment = 1024;
 constexpr int kWgmmaK = 16;
 constexpr int kElementBytes = 2;
 constexpr double kLog2e = 1.4426950408889634;
+// Lazy rescaling (online_softmax): how far, in log2 units, a block's maximum
+// may exceed a row's running maximum before O is rescaled.
+constexpr float kRescaleSlack = 8.0f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
@@ -372,11 +375,12 @@ struct AttentionSm90Kernel {
   // 16 * warp + lane / 4 (half 0) and + 8 (half 1), columns
   // 8 * group + 2 * (lane % 4) + {0, 1} of register 4 * group + {0, 1}
   // (half 0) and + {2, 3} (half 1). Replaces the scores by
-  // P = exp2(scale_log2 * score - row_max) and returns the factor by which
-  // earlier results must be rescaled. kMasked: keys >= valid_keys are
-  // excluded (P = 0).
+  // P = exp2(scale_log2 * score - row_max), sets the factor by which
+  // earlier results must be rescaled and returns whether any row of the
+  // warp has one other than 1. kMasked: keys >= valid_keys are excluded
+  // (P = 0).
   template <bool kMasked>
-  __device__ __forceinline__ static void online_softmax(float (&scores)[kScoreRegisters],
+  __device__ __forceinline__ static bool online_softmax(float (&scores)[kScoreRegisters],
                                                         float (&row_max)[2], float (&row_sum)[2],
                                                         float (&correction)[2], float scale_log2,
                                                         int valid_keys) {
@@ -409,15 +413,30 @@ struct AttentionSm90Kernel {
         extreme[half] = fminf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
       }
     }
+    // Lazy rescaling: a warp keeps its rows' running maxima until a block's
+    // maximum exceeds one of them by more than kRescaleSlack (log2 units).
+    // P then stays at most 2^kRescaleSlack (exact range in fp16 and bf16,
+    // and the same relative rounding), and the block needs no rescaling of
+    // O: one multiply per O register saved on most blocks. The first block
+    // always rescales (from -inf; its correction exp2(-inf) is 0).
+    bool grows = false;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      grows = grows || extreme[half] * scale_log2 > row_max[half] + kRescaleSlack;
+    }
+    const bool rescale = __any_sync(kFullWarp, grows);
     float negative_max[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // Every block holds a valid key, so the new maximum is finite and the
-      // first block's correction exp2(-inf) is 0.
-      const float new_max = fmaxf(row_max[half], extreme[half] * scale_log2);
-      correction[half] = ptx::exp2_approx(row_max[half] - new_max);
-      row_max[half] = new_max;
-      negative_max[half] = -new_max;
+      if (rescale) {
+        // Every block holds a valid key, so the new maximum is finite.
+        const float new_max = fmaxf(row_max[half], extreme[half] * scale_log2);
+        correction[half] = ptx::exp2_approx(row_max[half] - new_max);
+        row_max[half] = new_max;
+      } else {
+        correction[half] = 1.0f;
+      }
+      negative_max[half] = -row_max[half];
     }
     float block_sum[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -432,6 +451,7 @@ struct AttentionSm90Kernel {
     for (int half = 0; half < 2; ++half) {
       row_sum[half] = row_sum[half] * correction[half] + block_sum[half];
     }
+    return rescale;
   }
 
   // Registers of one consumer thread that live across units.
@@ -576,14 +596,14 @@ struct AttentionSm90Kernel {
     const float scale_log2 = params.scale_log2;
     const UnitStage& unit_stage = shared.unit_stages[slot];
     float correction[2];
+    // Returns whether O must be rescaled by `correction`.
     const auto softmax = [&](int block) {
       if (block == blocks - 1 && tail_keys < kBlockN) {
-        online_softmax<true>(registers.scores, registers.row_max, registers.row_sum, correction,
-                             scale_log2, tail_keys);
-      } else {
-        online_softmax<false>(registers.scores, registers.row_max, registers.row_sum, correction,
-                              scale_log2, kBlockN);
+        return online_softmax<true>(registers.scores, registers.row_max, registers.row_sum,
+                                    correction, scale_log2, tail_keys);
       }
+      return online_softmax<false>(registers.scores, registers.row_max, registers.row_sum,
+                                   correction, scale_log2, kBlockN);
     };
 
     // Block 0: S = Q K_0^T, softmax.
@@ -618,13 +638,15 @@ struct AttentionSm90Kernel {
       ptx::wgmma_wait<1>();  // S retired, PV may still run
       ptx::fence_operands(registers.scores);
       steps.release(k_stage);
-      softmax(block);
+      const bool rescale = softmax(block);
       ptx::wgmma_wait<0>();
       // Until here the PV product owned out_acc and read p_fragments.
       fence_pv_operands(registers);
       steps.release(v_stage);
+      if (rescale) {
 #pragma unroll
-      for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
+        for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
+      }
       convert(registers);
     }
     // O += P_{n-1} V_{n-1}.
