@@ -13,12 +13,23 @@
 // schedules (ping-pong, cooperative, each with and without the look-ahead
 // epilogue); outputs poisoned (NaN) before every run. A second
 // test puts +Inf into one user's K and V and checks that the
-// neighbouring users' outputs stay exact. Every test skips, with the reason,
-// unless device 0 is an sm_90 GPU and the build carries sm_90a code.
+// neighbouring users' outputs stay exact.
+// AttentionSm90PublishedGrid runs the published grid at its real sizes (B in
+// {512, 1024, 2048}, H in {1, 2, 4, 6}, S in {500, 512, 1000, 1024, 2000,
+// 2048}, ratio in {10, 70}; n_seed = 64, D = 128, f16, dense K/V, sorted
+// maps whose counts differ by at most one, odd and even), then jagged
+// histories with empty ones and unsorted maps at the same sizes: max abs
+// error <= 2e-3 against an fp32 reference computed on the GPU
+// (device_numerics.hpp), itself first checked against the fp64 reference.
+// Every test skips, with the reason, unless device 0 is an sm_90 GPU and the
+// build carries sm_90a code.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -29,6 +40,7 @@
 
 #ifdef IKBO_WITH_CUDA
 #include "cuda/sm90/attention_sm90.hpp"
+#include "device_numerics.hpp"
 #endif
 
 namespace ikbo::test {
@@ -49,7 +61,15 @@ std::optional<std::string> sm90_unavailable_reason() {
 #endif
 }
 
-enum class Path { portable, ping_pong, cooperative, ping_pong_lookahead, cooperative_lookahead };
+// hopper_default: the Hopper path with the schedule attention() uses by default.
+enum class Path {
+  portable,
+  hopper_default,
+  ping_pong,
+  cooperative,
+  ping_pong_lookahead,
+  cooperative_lookahead
+};
 
 // Selects the attention path for a scope.
 class PathScope {
@@ -61,6 +81,8 @@ class PathScope {
     using detail::cuda::AttentionSm90Schedule;
     detail::cuda::set_attention_sm90_enabled(path != Path::portable);
     switch (path) {
+      case Path::hopper_default:
+        break;
       case Path::portable:
       case Path::ping_pong:
         detail::cuda::set_attention_sm90_schedule(AttentionSm90Schedule::ping_pong);
@@ -338,6 +360,293 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
       }
     }
   }
+}
+
+// ---- The published grid, against an fp32 reference on the GPU ----
+
+#ifdef IKBO_WITH_CUDA
+constexpr std::int64_t kGridSeeds = 64, kGridHeadDim = 128;
+constexpr std::int64_t kGridMaxBatch = 2048, kGridMaxHeads = 6, kGridMaxSeqLen = 2048;
+// Inputs uniform in [-sqrt(3), sqrt(3)): unit variance, like the randn
+// inputs of the published tests, so scale * q.k has a standard deviation
+// of about 1 at D = 128.
+constexpr float kUnitVarianceHalfWidth = 1.7320508f;
+const float kGridScale = 1.0f / std::sqrt(static_cast<float>(kGridHeadDim));
+
+// U = round(B / ratio), at least 1 (as ikbo-bench and the Python bench count).
+std::int64_t users_for_ratio(std::int64_t num_candidates, std::int64_t ratio) {
+  return std::clamp<std::int64_t>((num_candidates + ratio / 2) / ratio, 1, num_candidates);
+}
+
+// A tensor generated once on the device at the grid's largest extents, in
+// f16 with an fp32 twin holding the same values (for the reference); a
+// smaller shape views a prefix, itself random data of that shape.
+struct TwinBuffer {
+  DeviceBuffer half, single;
+  TwinBuffer(std::int64_t count, std::uint64_t seed)
+      : half(kCuda, static_cast<std::size_t>(count) * 2),
+        single(kCuda, static_cast<std::size_t>(count) * 4) {
+    fill_uniform_on_device(half.data(), DType::f16, static_cast<float*>(single.data()), count,
+                           kUnitVarianceHalfWidth, seed);
+  }
+  Tensor view(DType dtype, std::initializer_list<std::int64_t> shape) const {
+    return Tensor(dtype == DType::f32 ? single.data() : half.data(), dtype, shape, kCuda);
+  }
+  const float* fp32() const { return static_cast<const float*>(single.data()); }
+};
+
+// Q, K, V at the grid's largest sizes (K/V of B / 10 users of S = 2048
+// keys at H = 6, which also holds every jagged case's rows), the f16 output
+// and the fp32 reference output: about 5 GB (and 1 GB of reference
+// scratch), allocated once per test and viewed by every request.
+struct GridData {
+  static constexpr std::int64_t kMaxUsers = (kGridMaxBatch + 5) / 10;
+  static constexpr std::int64_t kMaxOutput =
+      kGridMaxBatch * kGridSeeds * kGridMaxHeads * kGridHeadDim;
+  static constexpr std::int64_t kMaxKv = kMaxUsers * kGridMaxSeqLen * kGridMaxHeads * kGridHeadDim;
+  TwinBuffer q{kMaxOutput, 41}, k{kMaxKv, 42}, v{kMaxKv, 43};
+  DeviceBuffer out{kCuda, static_cast<std::size_t>(kMaxOutput) * 2};
+  DeviceBuffer expected{kCuda, static_cast<std::size_t>(kMaxOutput) * 4};
+  DeviceAttentionReference reference;
+};
+
+// One request of the grid: the map on the host (for the reference) and on
+// the device, K/V dense (kv_offsets of u * S) or jagged.
+struct GridRequest {
+  std::int64_t heads = 0;
+  std::int64_t dense_seq_len = 0;  // 0: jagged
+  std::vector<std::int32_t> cand_to_user;
+  std::vector<std::int64_t> kv_offsets;
+
+  std::int64_t num_candidates() const { return static_cast<std::int64_t>(cand_to_user.size()); }
+  std::int64_t num_users() const { return static_cast<std::int64_t>(kv_offsets.size()) - 1; }
+};
+
+// Runs attention() on the Hopper path (default schedule) into a poisoned
+// f16 output and the fp32 reference, and returns the max abs difference
+// (infinite where a NaN survived). Fails the test if the Hopper kernel
+// would not take the call: the grid is its accuracy criterion.
+double hopper_max_abs_error(GridData& data, const GridRequest& request) {
+  const std::int64_t b = request.num_candidates(), u = request.num_users(), h = request.heads;
+  const std::int64_t rows = request.kv_offsets.back();
+  const bool jagged = request.dense_seq_len == 0;
+  const auto kv_view = [&](const TwinBuffer& buffer, DType dtype) {
+    return jagged ? buffer.view(dtype, {rows, h, kGridHeadDim})
+                  : buffer.view(dtype, {u, request.dense_seq_len, h, kGridHeadDim});
+  };
+  const Tensor q = data.q.view(DType::f16, {b, kGridSeeds, h, kGridHeadDim});
+  const Tensor k = kv_view(data.k, DType::f16), v = kv_view(data.v, DType::f16);
+  const Tensor out(data.out.data(), DType::f16, {b, kGridSeeds, h, kGridHeadDim}, kCuda);
+  const CandidateMap map = CandidateMap::build(request.cand_to_user.data(), b, u, kCuda);
+  std::optional<JaggedOffsets> offsets;
+  if (jagged) {
+    const std::vector<std::int32_t> offsets32(request.kv_offsets.begin(), request.kv_offsets.end());
+    offsets = JaggedOffsets::build(offsets32.data(), u, rows, kCuda);
+  }
+
+  detail::AttentionArgs args;
+  args.dtype = DType::f16;
+  args.num_candidates = b;
+  args.num_users = u;
+  args.n_seed = kGridSeeds;
+  args.heads = h;
+  args.head_dim = kGridHeadDim;
+  args.dense_seq_len = request.dense_seq_len;
+  args.q = q.data;
+  args.k = k.data;
+  args.v = v.data;
+  args.out = out.data;
+  args.map = &map.state();
+  args.kv_offsets = offsets ? &offsets->state() : nullptr;
+  args.scale = kGridScale;
+  EXPECT_TRUE(detail::cuda::attention_sm90_supported(args))
+      << "the Hopper attention kernel does not take this call";
+
+  const std::int64_t count = b * kGridSeeds * h * kGridHeadDim;
+  poison_on_device(data.out.data(), static_cast<std::size_t>(count) * 2);
+  {
+    const PathScope scope(Path::hopper_default);
+    attention(q, k, v, map, out, offsets ? &*offsets : nullptr);
+    synchronize_device("attention");
+  }
+  auto* expected = static_cast<float*>(data.expected.data());
+  data.reference.run(data.q.fp32(), data.k.fp32(), data.v.fp32(), expected, request.cand_to_user,
+                     request.kv_offsets, kGridSeeds, h, kGridHeadDim, kGridScale);
+  return max_abs_difference_on_device(data.out.data(), DType::f16, expected, count);
+}
+
+// The device reference against the fp64 host reference, on small shapes
+// of everything the grid feeds it: dense and jagged K/V, empty histories,
+// unsorted maps, D = 64 and 128, a negative scale.
+testing::AssertionResult device_reference_matches_fp64(DeviceAttentionReference& reference) {
+  struct Case {
+    std::int64_t num_candidates, num_users, n_seed, heads, head_dim;
+    std::vector<std::int64_t> lengths;  // per user
+    MapOrder order;
+    double scale;
+  };
+  const std::vector<Case> cases = {
+      {7, 3, 37, 2, 128, {300, 300, 300}, MapOrder::unsorted, 1.0 / std::sqrt(128.0)},
+      {9, 4, 5, 3, 64, {517, 0, 1, 2048}, MapOrder::uneven_unsorted, -0.3},
+      {6, 3, 64, 1, 128, {0, 129, 1000}, MapOrder::unsorted, 1.0 / std::sqrt(128.0)},
+  };
+  SeededRng rng;
+  for (const Case& c : cases) {
+    AttentionShape shape{c.num_candidates, c.n_seed, c.heads, c.head_dim};
+    std::vector<std::int64_t> kv_offsets{0};
+    for (const std::int64_t length : c.lengths) kv_offsets.push_back(kv_offsets.back() + length);
+    const double half_width = kUnitVarianceHalfWidth;
+    const HostTensor q = rng.tensor(DType::f32, {c.num_candidates, c.n_seed, c.heads, c.head_dim},
+                                    -half_width, half_width);
+    const HostTensor k =
+        rng.tensor(DType::f32, {kv_offsets.back(), c.heads, c.head_dim}, -half_width, half_width);
+    const HostTensor v =
+        rng.tensor(DType::f32, {kv_offsets.back(), c.heads, c.head_dim}, -half_width, half_width);
+    const auto cand_to_user = rng.candidate_map(c.num_candidates, c.num_users, c.order);
+    const DeviceTensor q_device(kCuda, q), k_device(kCuda, k), v_device(kCuda, v);
+    const DeviceTensor out = DeviceTensor::poisoned(kCuda, DType::f32, q.shape);
+    reference.run(static_cast<const float*>(q_device.view().data),
+                  static_cast<const float*>(k_device.view().data),
+                  static_cast<const float*>(v_device.view().data),
+                  static_cast<float*>(out.view().data), cand_to_user, kv_offsets, c.n_seed, c.heads,
+                  c.head_dim, static_cast<float>(c.scale));
+    const std::vector<double> actual = out.values();
+    const std::vector<double> expected = reference_attention(
+        shape, q.values, k.values, v.values, cand_to_user, kv_offsets, static_cast<float>(c.scale));
+    // fp32 GEMMs over D and S <= 2048 terms of O(1) values: ~1e-6; the bar
+    // stays 100x below the 2e-3 the grid asserts.
+    constexpr double kTolerance = 2e-5;
+    const double error = max_abs_error(actual, expected);
+    if (!fully_written(actual) || !(error <= kTolerance)) {
+      return testing::AssertionFailure()
+             << "device fp32 reference vs fp64 reference (B=" << c.num_candidates
+             << ", U=" << c.num_users << ", n_seed=" << c.n_seed << ", H=" << c.heads
+             << ", D=" << c.head_dim << "): max abs error " << error << " > " << kTolerance;
+    }
+  }
+  return testing::AssertionSuccess();
+}
+#endif  // IKBO_WITH_CUDA
+
+// Allocates the grid's buffers and proves the device reference against the
+// fp64 one before any test trusts it.
+class AttentionSm90PublishedGrid : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (const auto reason = sm90_unavailable_reason()) GTEST_SKIP() << *reason;
+#ifdef IKBO_WITH_CUDA
+    data_ = std::make_unique<GridData>();
+    ASSERT_TRUE(device_reference_matches_fp64(data_->reference));
+#endif
+  }
+
+#ifdef IKBO_WITH_CUDA
+  std::unique_ptr<GridData> data_;
+#endif
+};
+
+// The grid runs 144 requests on buffers of several GB; it is left out of
+// scripts/device-check's compute-sanitizer run (see there), which covers the
+// same kernel at the small shapes above.
+TEST_F(AttentionSm90PublishedGrid, MaxAbsErrorAtMost2em3) {
+#ifdef IKBO_WITH_CUDA
+  const std::vector<std::int64_t> batches{512, 1024, 2048}, head_counts{1, 2, 4, 6},
+      seq_lens{500, 512, 1000, 1024, 2000, 2048}, ratios{10, 70};
+  SeededRng rng;
+  const auto started = std::chrono::steady_clock::now();
+  double worst = 0.0;
+  std::string worst_at;
+  int combinations = 0;
+  for (const std::int64_t batch : batches) {
+    for (const std::int64_t ratio : ratios) {
+      const std::int64_t users = users_for_ratio(batch, ratio);
+      GridRequest request;
+      // Candidate b -> user b * U / B: contiguous groups whose counts differ
+      // by at most one (64/65-style); B is never a multiple of U here, so
+      // odd and even counts both occur (checked below).
+      request.cand_to_user = rng.candidate_map(batch, users, MapOrder::sorted);
+      std::vector<std::int64_t> counts(static_cast<std::size_t>(users));
+      for (const std::int32_t user : request.cand_to_user) ++counts[static_cast<std::size_t>(user)];
+      const auto [fewest, most] = std::minmax_element(counts.begin(), counts.end());
+      EXPECT_EQ(*most - *fewest, 1) << "B=" << batch << " U=" << users;
+      for (const std::int64_t heads : head_counts) {
+        request.heads = heads;
+        std::string line;
+        for (const std::int64_t seq_len : seq_lens) {
+          SCOPED_TRACE(testing::Message() << "B=" << batch << " ratio=" << ratio << " U=" << users
+                                          << " H=" << heads << " S=" << seq_len);
+          request.dense_seq_len = seq_len;
+          request.kv_offsets = dense_kv_offsets(users, seq_len);
+          const double error = hopper_max_abs_error(*data_, request);
+          EXPECT_LE(error, 2e-3) << "max abs error vs the fp32 reference";
+          char text[48];
+          std::snprintf(text, sizeof text, " %lld:%.2e", static_cast<long long>(seq_len), error);
+          line += text;
+          if (!(error <= worst)) {
+            worst = error;
+            worst_at = "B=" + std::to_string(batch) + " ratio=" + std::to_string(ratio) +
+                       " H=" + std::to_string(heads) + " S=" + std::to_string(seq_len);
+          }
+          ++combinations;
+        }
+        std::cout << "[ grid     ] B=" << batch << " ratio=" << ratio << " U=" << users
+                  << " counts " << *fewest << "/" << *most << " H=" << heads
+                  << " max abs error by S:" << line << "\n";
+      }
+    }
+  }
+  EXPECT_EQ(combinations, 144);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::cout << "[ grid     ] worst max abs error " << worst << " at " << worst_at << " over "
+            << combinations << " combinations (" << seconds << " s)\n";
+#endif
+}
+
+// The same criterion on what the dense grid leaves out: jagged histories
+// (random lengths up to 2048, every seventh user empty, lengths 1 and 2048
+// among them) and unsorted maps, balanced and uneven (users without
+// candidates).
+TEST_F(AttentionSm90PublishedGrid, JaggedAndUnsortedMaxAbsErrorAtMost2em3) {
+#ifdef IKBO_WITH_CUDA
+  struct Case {
+    const char* name;
+    std::int64_t batch, ratio, heads;
+    std::int64_t seq_len;  // 0: jagged
+    MapOrder order;
+  };
+  const std::vector<Case> cases = {
+      {"jagged_B1024_ratio10_H2_unsorted", 1024, 10, 2, 0, MapOrder::unsorted},
+      {"jagged_B2048_ratio70_H6_uneven_unsorted", 2048, 70, 6, 0, MapOrder::uneven_unsorted},
+      {"jagged_B512_ratio70_H1_sorted", 512, 70, 1, 0, MapOrder::sorted},
+      {"dense_B2048_ratio70_H2_S1000_unsorted", 2048, 70, 2, 1000, MapOrder::unsorted},
+      {"dense_B512_ratio10_H4_S2000_uneven_unsorted", 512, 10, 4, 2000, MapOrder::uneven_unsorted},
+  };
+  SeededRng rng;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::int64_t users = users_for_ratio(c.batch, c.ratio);
+    GridRequest request;
+    request.heads = c.heads;
+    request.dense_seq_len = c.seq_len;
+    request.cand_to_user = rng.candidate_map(c.batch, users, c.order);
+    if (c.seq_len > 0) {
+      request.kv_offsets = dense_kv_offsets(users, c.seq_len);
+    } else {
+      request.kv_offsets = {0};
+      for (std::int64_t u = 0; u < users; ++u) {
+        std::int64_t length = rng.uniform_int(0, kGridMaxSeqLen);
+        if (u % 7 == 3) length = 0;
+        if (u == 1) length = 1;
+        if (u == 2) length = kGridMaxSeqLen;
+        request.kv_offsets.push_back(request.kv_offsets.back() + length);
+      }
+    }
+    const double error = hopper_max_abs_error(*data_, request);
+    EXPECT_LE(error, 2e-3) << "max abs error vs the fp32 reference";
+    std::cout << "[ grid     ] " << c.name << " U=" << users << ": max abs error " << error << "\n";
+  }
+#endif
 }
 
 }  // namespace
