@@ -255,6 +255,14 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   constexpr int kUnitStages = unit_stages<Kernel>();
   static_assert(kUnitStages == 0 || kClusterSize == 1,
                 "per-unit operands are implemented for single-CTA kernels only");
+  // setmaxnreg only moves registers within the CTA's launch allocation (one
+  // CTA per SM: the register file split evenly, in steps of 8 per thread);
+  // an increase past it waits forever.
+  constexpr int kThreads = kPipelineThreads<Kernel>;
+  static_assert(kWarpgroupThreads * (Kernel::kProducerRegisters +
+                                     Kernel::kConsumerWarpgroups * Kernel::kConsumerRegisters) <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "the register split exceeds the launch allocation");
   const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
