@@ -57,6 +57,9 @@ int run(const Options& options) {
   if (options.run_attention) {
     for (Record& record : run_attention_suite(context)) records.push_back(std::move(record));
   }
+  if (options.run_linear) {
+    for (Record& record : run_linear_suite(context)) records.push_back(std::move(record));
+  }
   print_tables(std::cout, records);
   if (!options.json_path.empty()) {
     write_json(options.json_path, run_info, records);

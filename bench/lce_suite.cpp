@@ -173,7 +173,7 @@ std::vector<Record> run_lce_suite(const BenchContext& context) {
   const auto element = static_cast<std::int64_t>(dtype_size(dtype));
 
   std::int64_t max_batch = 0, max_users = 0;
-  for (const LceShape& shape : options.lce_shapes) {
+  for (const BatchShape& shape : options.lce_shapes) {
     max_batch = std::max(max_batch, shape.batch);
     max_users = std::max(max_users, users_for_ratio(shape.batch, shape.ratio));
   }
@@ -186,7 +186,7 @@ std::vector<Record> run_lce_suite(const BenchContext& context) {
   fill_uniform(e_u, dtype, max_users * dims.ku * dims.n, 1.0f, kEmbeddingUserSeed, stream);
 
   std::vector<Record> results;
-  for (const LceShape& shape : options.lce_shapes) {
+  for (const BatchShape& shape : options.lce_shapes) {
     const std::int64_t batch = shape.batch;
     const std::int64_t users = users_for_ratio(batch, shape.ratio);
     ShapeRecords records(context, "lce", kLceVariants,

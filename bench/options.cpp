@@ -12,7 +12,7 @@
 namespace ikbo::bench {
 namespace {
 
-constexpr std::string_view kUsage = R"(usage: ikbo-bench [lce|attention|all] [options]
+constexpr std::string_view kUsage = R"(usage: ikbo-bench [lce|attention|linear|all] [options]
 
 Times the library's IKBO ops ("ikbo") against the broadcast baselines
 ("broadcast": the op on pre-replicated user tensors; "broadcast+copy": the
@@ -22,7 +22,11 @@ the start of the run. For LCE it also times the published staircase's stages
 B on the given K, then a gather-add of the user result), "aligned" (the same
 with K zero-padded to a multiple of 8 beforehand) and "fused" (Hopper GPUs:
 the user GEMM in its own launch, then the candidate GEMM adding it in its
-epilogue).
+epilogue). Linear (N_out = 512 over Ku = 256 user and Kc = 3976 candidate
+features, the example model's first MLP layer) times only the broadcast
+baselines, on CUDA only (one cuBLASLt matmul, as F.linear runs it):
+ikbo::linear is itself the decomposed form (user GEMM, candidate GEMM,
+combine kernel).
 
   --device cpu|cuda[:N]  default: cuda if a GPU is visible, else cpu
   --dtype f16|bf16|f32   default: f16 on a GPU, f32 on the CPU
@@ -45,10 +49,12 @@ epilogue).
 
 Default shapes. GPU: LCE B in {512,1024,1536,2048,2560,3072} at ratio 70 and
 ratio in {2,5,10,50,100,1000} at B = 1024; attention B = 2048, ratio 64,
-S in {512,...,16384}. CPU (fp32): LCE B = 128 at ratio 70 and at ratio 5;
-attention B = 256, ratio 64, S in {256,512}. --quick: GPU LCE B = 1024 at
-ratio 70, attention S = 2048, 20 reps; CPU LCE B = 64, attention B = 128,
-S = 256, 3 reps.
+S in {512,...,16384}; linear B in {512,1024,2048,3072} at ratio 70 and
+B = 1024 at ratio 2. CPU (fp32): LCE B = 128 at ratio 70 and at ratio 5;
+attention B = 256, ratio 64, S in {256,512}; linear B = 128 at ratio 70 and
+at ratio 2. --quick: GPU LCE and linear B = 1024 at ratio 70, attention
+S = 2048, 20 reps; CPU LCE and linear B = 64, attention B = 128, S = 256,
+3 reps. --B and --ratio apply to LCE, attention and linear alike.
 )";
 
 struct Defaults {
@@ -60,15 +66,18 @@ struct Defaults {
   std::int64_t attention_batch;
   std::int64_t attention_ratio;
   std::vector<std::int64_t> seq_lens;
+  std::vector<BatchShape> linear_shapes;
   int reps;
   int warmup;
 };
 
 constexpr LceDims kReferenceLce{433, 256, 1178, 866};
 constexpr AttentionDims kReferenceAttention{2, 64, 128, false};
+// The first MLP layer of examples/ranking_model, as python/ikbo/bench.py times it.
+constexpr LinearDims kReferenceLinear{512, 256, 3976};
 
 // GPU: the SPEC reference sweeps. CPU: the reference dims at batches that
-// keep the whole default run (both suites, ceilings included) under a minute
+// keep the whole default run (every suite, ceilings included) under a minute
 // on 2 cores, in fp32, the CPU backend's compute dtype.
 Defaults defaults_for(Device device, bool quick) {
   if (device.is_cuda()) {
@@ -81,6 +90,7 @@ Defaults defaults_for(Device device, bool quick) {
               .attention_batch = 2048,
               .attention_ratio = 64,
               .seq_lens = {2048},
+              .linear_shapes = {{1024, 70}},
               .reps = 20,
               .warmup = 2};
     }
@@ -92,6 +102,7 @@ Defaults defaults_for(Device device, bool quick) {
             .attention_batch = 2048,
             .attention_ratio = 64,
             .seq_lens = {512, 1024, 2048, 4096, 8192, 16384},
+            .linear_shapes = {{512, 70}, {1024, 70}, {2048, 70}, {3072, 70}, {1024, 2}},
             .reps = 30,
             .warmup = 5};
   }
@@ -104,6 +115,7 @@ Defaults defaults_for(Device device, bool quick) {
             .attention_batch = 128,
             .attention_ratio = 64,
             .seq_lens = {256},
+            .linear_shapes = {{64, 70}},
             .reps = 3,
             .warmup = 1};
   }
@@ -115,6 +127,7 @@ Defaults defaults_for(Device device, bool quick) {
           .attention_batch = 256,
           .attention_ratio = 64,
           .seq_lens = {256, 512},
+          .linear_shapes = {{128, 70}, {128, 2}},
           .reps = 5,
           .warmup = 1};
 }
@@ -218,9 +231,10 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
       suite_given = true;
       options.run_lce = argument == "lce" || argument == "all";
       options.run_attention = argument == "attention" || argument == "all";
-      if (!options.run_lce && !options.run_attention) {
+      options.run_linear = argument == "linear" || argument == "all";
+      if (!options.run_lce && !options.run_attention && !options.run_linear) {
         throw UsageError("unknown suite '" + std::string(argument) +
-                         "' (expected lce, attention or all)");
+                         "' (expected lce, attention, linear or all)");
       }
       continue;
     }
@@ -298,6 +312,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   options.warmup = given.warmup.value_or(defaults.warmup);
   options.lce = given.lce;
   options.attention = given.attention;
+  options.linear = kReferenceLinear;
 
   if (given.batches || given.ratios) {
     for (std::int64_t batch : given.batches.value_or(std::vector{defaults.lce_batch})) {
@@ -305,6 +320,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
         options.lce_shapes.push_back({batch, ratio});
       }
     }
+    options.linear_shapes = options.lce_shapes;  // linear's reference B and ratio are LCE's
   } else {
     for (std::int64_t batch : defaults.lce_batch_sweep) {
       options.lce_shapes.push_back({batch, defaults.lce_ratio});
@@ -312,6 +328,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     for (std::int64_t ratio : defaults.lce_ratio_sweep) {
       options.lce_shapes.push_back({defaults.lce_batch, ratio});
     }
+    options.linear_shapes = defaults.linear_shapes;
   }
   for (std::int64_t batch : given.batches.value_or(std::vector{defaults.attention_batch})) {
     for (std::int64_t ratio : given.ratios.value_or(std::vector{defaults.attention_ratio})) {

@@ -1,6 +1,6 @@
 // options.hpp — ikbo-bench's command line, and the default shapes per device.
 //
-//   ikbo-bench [lce|attention|all] [--device cpu|cuda[:N]] [--dtype f16|bf16|f32]
+//   ikbo-bench [lce|attention|linear|all] [--device cpu|cuda[:N]] [--dtype f16|bf16|f32]
 //              [--B list] [--ratio list] [--M n] [--N n] [--Ku n] [--Kc n]
 //              [--S list] [--H n] [--n-seed n] [--D n] [--jagged] [--unsorted]
 //              [--reps n] [--warmup n] [--json FILE] [--quick]
@@ -8,10 +8,12 @@
 // Lists are comma separated. Explicit --B, --ratio and --S lists are crossed
 // with each other; a list not given takes the suite's reference value. With
 // neither --B nor --ratio, the LCE suite runs both SPEC sweeps (B at ratio 70,
-// then ratio at the sweep's B). Defaults depend on the device (GPU: the SPEC
-// reference shapes in fp16; CPU: a scaled-down fp32 set that finishes in
-// under a minute on 2 cores); --quick keeps one shape per suite and fewer
-// reps, a smoke run. Options given explicitly always win.
+// then ratio at the sweep's B), and the linear suite (N_out = 512, Ku = 256,
+// Kc = 3976: the example model's first MLP layer) B in {512, 1024, 2048,
+// 3072} at ratio 70 and B = 1024 at ratio 2. Defaults depend on the device
+// (GPU: the SPEC reference shapes in fp16; CPU: a scaled-down fp32 set that
+// finishes in under a minute on 2 cores); --quick keeps one shape per suite
+// and fewer reps, a smoke run. Options given explicitly always win.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +27,8 @@
 
 namespace ikbo::bench {
 
-struct LceShape {
+// One request of the LCE or linear suite.
+struct BatchShape {
   std::int64_t batch = 0;
   std::int64_t ratio = 0;
 };
@@ -40,6 +43,10 @@ struct LceDims {
   std::int64_t m = 0, n = 0, ku = 0, kc = 0;
 };
 
+struct LinearDims {
+  std::int64_t out_features = 0, ku = 0, kc = 0;
+};
+
 struct AttentionDims {
   std::int64_t heads = 0, n_seed = 0, head_dim = 0;
   bool jagged = false;  // per-user lengths drawn around S instead of S for all
@@ -48,12 +55,15 @@ struct AttentionDims {
 struct Options {
   bool run_lce = true;
   bool run_attention = true;
+  bool run_linear = true;
   Device device{};
   DType dtype = DType::f16;
   LceDims lce;
-  std::vector<LceShape> lce_shapes;
+  std::vector<BatchShape> lce_shapes;
   AttentionDims attention;
   std::vector<AttentionShape> attention_shapes;
+  LinearDims linear;
+  std::vector<BatchShape> linear_shapes;
   bool sorted_map = true;  // candidates grouped by user, as in the SPEC reference
   int reps = 0;
   int warmup = 0;

@@ -21,7 +21,7 @@ struct ShapeField {
 enum class Outcome { measured, skipped, failed };
 
 struct Record {
-  std::string suite;    // "lce" | "attention"
+  std::string suite;    // "lce" | "attention" | "linear"
   // "ikbo" | "broadcast" | "broadcast+copy"; lce also "decomposed" | "aligned" | "fused"
   std::string variant;
   DType dtype = DType::f16;

@@ -74,6 +74,10 @@ const char* suite_title(const std::string& suite) {
     return "lce: out[b] = w_c @ e_c[b] + w_u @ e_u[u(b)];  FLOPs = 2*M*N*(B*Kc + U*Ku) for every "
            "variant";
   }
+  if (suite == "linear") {
+    return "linear: out[b] = x_c[b] @ w_c^T + x_u[u(b)] @ w_u^T + bias;  FLOPs = "
+           "2*N_out*(B*Kc + U*Ku) for every variant";
+  }
   return "attention: out[b] = softmax(q[b] k[u(b)]^T / sqrt(D)) v[u(b)];  FLOPs = "
          "4*H*n_seed*D * sum over candidates of their user's length (4*B*H*n_seed*D*S dense)";
 }

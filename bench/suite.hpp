@@ -1,8 +1,10 @@
-// suite.hpp — what the LCE and attention suites share: the run context, the
-// variants timed at every shape, and how a shape's records are made.
+// suite.hpp — what the LCE, attention and linear suites share: the run
+// context, the variants timed at every shape, and how a shape's records are
+// made.
 //
 // Variants, in table order:
-//   ikbo            the library's default path (ikbo::lce / ikbo::attention)
+//   ikbo            the library's default path (ikbo::lce / ikbo::attention /
+//                   ikbo::linear)
 //   broadcast       the standard way, on user tensors replicated beforehand
 //   broadcast+copy  the same with the replication copy inside the timed region
 // and for LCE the published staircase's stages between those and ikbo:
@@ -40,6 +42,7 @@ inline constexpr std::array<std::string_view, 6> kLceVariants{
     kIkbo, kBroadcast, kBroadcastCopy, kDecomposed, kAligned, kFused};
 inline constexpr std::array<std::string_view, 3> kAttentionVariants{kIkbo, kBroadcast,
                                                                     kBroadcastCopy};
+inline constexpr std::array<std::string_view, 3> kLinearVariants{kIkbo, kBroadcast, kBroadcastCopy};
 
 struct BenchContext {
   const Options& options;
@@ -93,6 +96,7 @@ class ShapeRecords {
 
 std::vector<Record> run_lce_suite(const BenchContext& context);
 std::vector<Record> run_attention_suite(const BenchContext& context);
+std::vector<Record> run_linear_suite(const BenchContext& context);
 
 // "B=1024 ratio=70 U=15", for progress lines and messages.
 std::string describe_shape(const std::vector<ShapeField>& shape);

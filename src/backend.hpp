@@ -127,6 +127,24 @@ struct LceDecomposedArgs {
   std::size_t workspace_bytes = 0;
 };
 
+// The linear broadcast baseline's GEMM: out [B, N_out] = x_full [B, K] @
+// weight^T (+ bias), one cuBLASLt matmul with a bias epilogue, as PyTorch's
+// F.linear runs it. weight [N_out, K] rows `ld_weight` elements apart. CUDA
+// only.
+struct LinearConcatArgs {
+  DType dtype = DType::f16;
+  Device device{};
+  std::int64_t out_features = 0, k = 0, num_candidates = 0;
+  const void* weight = nullptr;
+  std::int64_t ld_weight = 0;
+  const void* bias = nullptr;    // [N_out] or null
+  const void* x_full = nullptr;  // [B, K]
+  void* out = nullptr;           // [B, N_out]
+  Stream stream = nullptr;
+  void* workspace = nullptr;  // 256-byte aligned, linear_concat_workspace_bytes()
+  std::size_t workspace_bytes = 0;
+};
+
 namespace cuda {
 // Copies the weights to `device` with padded K stride (zero padding).
 LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std::int64_t ku,
@@ -149,6 +167,8 @@ LinearPlan::State prepare_linear_plan(const LinearWeights& weights, Device devic
 std::size_t linear_workspace_bytes(const LinearPlan::State& plan, std::int64_t num_candidates,
                                    std::int64_t num_users);
 void linear(const LinearArgs& args);
+std::size_t linear_concat_workspace_bytes();  // cuBLASLt scratch
+void linear_concat(const LinearConcatArgs& args);
 void attention(const AttentionArgs& args);
 void gather_rows(const GatherRowsArgs& args);
 }  // namespace cuda

@@ -59,6 +59,18 @@ std::optional<std::string> lce_fused_blocker(const LcePlan& plan, const Tensor& 
 void lce_fused(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const CandidateMap& map,
                const Tensor& out, Stream stream = nullptr, Workspace workspace = {});
 
+// ---- linear ----
+// The copy: x_full[b] = [x_u[cand_to_user[b]] | x_c[b]], x_full [B, Ku + Kc].
+void replicate_linear_input(const Tensor& x_c, const Tensor& x_u, const CandidateMap& map,
+                            const Tensor& x_full, Stream stream = nullptr);
+
+// The GEMM over the copy: out [B, N_out] = x_full @ weight^T + bias, with
+// torch's weight [N_out, Ku + Kc] and bias [N_out] (or null) as given: one
+// cuBLASLt matmul with a bias epilogue, what F.linear runs. CUDA only.
+std::size_t linear_concat_workspace_bytes(const Tensor& weight);
+void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_full,
+                   const Tensor& out, Stream stream = nullptr, Workspace workspace = {});
+
 // The copy for attention: kv_full[b] = kv[cand_to_user[b]], dense [U, S, H, D] -> [B, S, H, D].
 // Attention on the copies is ikbo::attention with CandidateMap::identity(B).
 void replicate_kv(const Tensor& kv, const CandidateMap& map, const Tensor& kv_full,

@@ -24,8 +24,8 @@ const std::int32_t* map_index(const CandidateMap& map, Device device) {
 }
 
 void require_cuda(const Tensor& tensor, const char* op) {
-  detail::require(tensor.device.is_cuda(), op, " runs on CUDA only (the staircase baselines are ",
-                  "cuBLAS and Hopper kernels), got tensors on ", device_name(tensor.device));
+  detail::require(tensor.device.is_cuda(), op, " runs on CUDA only (a cuBLAS or Hopper-kernel ",
+                  "baseline), got tensors on ", device_name(tensor.device));
 }
 
 // Checks the operands of lce_decomposed (all but out and the workspace);
@@ -184,6 +184,61 @@ void lce_fused(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const 
                const Tensor& out, Stream stream, Workspace workspace) {
   require_cuda(e_c, "lce_fused");
   detail::cuda::lce_fused(detail::check_lce_call(plan, e_c, e_u, map, out, stream, workspace));
+}
+
+void replicate_linear_input(const Tensor& x_c, const Tensor& x_u, const CandidateMap& map,
+                            const Tensor& x_full, Stream stream) {
+  const std::int64_t b = x_c.size(0), kc = x_c.size(1), ku = x_u.size(1);
+  detail::check_tensor(x_c, "x_c", x_c.dtype, x_c.device, 2);
+  detail::check_tensor(x_u, "x_u", x_c.dtype, x_c.device, 2);
+  detail::check_tensor(x_full, "x_full", x_c.dtype, x_c.device, 2);
+  detail::check_shape(x_full, "x_full", {b, ku + kc}, "[B, Ku + Kc]");
+  detail::check_map(map, x_c, "x_c", &x_u, "x_u", x_c.device, "x_c");
+  const auto element = static_cast<std::int64_t>(dtype_size(x_c.dtype));
+  const std::int64_t row_full = (ku + kc) * element;
+  auto* dst = static_cast<char*>(x_full.data);
+  gather({dst, row_full, x_u.data, ku * element, ku * element, map_index(map, x_c.device), b, {},
+          stream},
+         x_c.device);
+  gather({dst + ku * element, row_full, x_c.data, kc * element, kc * element, nullptr, b, {},
+          stream},
+         x_c.device);
+}
+
+std::size_t linear_concat_workspace_bytes(const Tensor& weight) {
+  require_cuda(weight, "linear_concat");
+  return detail::cuda::linear_concat_workspace_bytes();
+}
+
+void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_full,
+                   const Tensor& out, Stream stream, Workspace workspace) {
+  require_cuda(weight, "linear_concat");
+  detail::check_float_dtype(weight.dtype, "weight");
+  detail::check_tensor(weight, "weight", weight.dtype, weight.device, 2);
+  detail::check_tensor(x_full, "x_full", weight.dtype, weight.device, 2);
+  detail::check_tensor(out, "out", weight.dtype, weight.device, 2);
+  detail::check_dim(x_full, "x_full", 1, weight.size(1), "Ku + Kc of weight");
+  detail::check_shape(out, "out", {x_full.size(0), weight.size(0)}, "[B, N_out]");
+  detail::check_no_overlap(out, "out", x_full, "x_full");
+  if (bias != nullptr) {
+    detail::check_tensor(*bias, "bias", weight.dtype, weight.device, 1);
+    detail::check_dim(*bias, "bias", 0, weight.size(0), "N_out of weight");
+  }
+  detail::check_workspace(workspace, detail::cuda::linear_concat_workspace_bytes(),
+                          "linear_concat_workspace_bytes");
+  detail::cuda::linear_concat({.dtype = weight.dtype,
+                               .device = weight.device,
+                               .out_features = weight.size(0),
+                               .k = weight.size(1),
+                               .num_candidates = x_full.size(0),
+                               .weight = weight.data,
+                               .ld_weight = weight.size(1),
+                               .bias = bias != nullptr ? bias->data : nullptr,
+                               .x_full = x_full.data,
+                               .out = out.data,
+                               .stream = stream,
+                               .workspace = workspace.data,
+                               .workspace_bytes = workspace.bytes});
 }
 
 void replicate_kv(const Tensor& kv, const CandidateMap& map, const Tensor& kv_full,

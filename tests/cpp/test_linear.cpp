@@ -1,8 +1,9 @@
 // linear against the fp64 reference, on every device and dtype: both ways to
 // build a plan (split w_u / w_c, or torch's concatenated weight), with and
 // without bias, plan reuse across requests, plan ownership of the weights,
-// B = 0; argument validation leaving `out` untouched; and, on CUDA, stream
-// ordering without synchronization and CUDA graph capture.
+// B = 0; the broadcast baseline (replicate_linear_input, and on CUDA
+// linear_concat); argument validation leaving `out` untouched; and, on CUDA,
+// stream ordering without synchronization and CUDA graph capture.
 // Shapes include N_out = 1, Ku = Kc = 1, B = 1, U = 1, U = B, K and N_out
 // that are not multiples of 8, rows long enough to split the CPU backend's
 // work into blocks, and maps that are unsorted, uneven or leave users
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "baselines.hpp"
 #include "device_harness.hpp"
 
 namespace ikbo::test {
@@ -169,6 +171,44 @@ TEST_P(LinearVsReference, ConcatenatedWeightMatchesSplitWeights) {
   EXPECT_TRUE(
       matches_reference(run_linear(plan, inputs, &from_concatenated), inputs.expected(), dtype()));
   EXPECT_TRUE(from_split == from_concatenated);
+}
+
+TEST_P(LinearVsReference, BroadcastBaselineMatchesFp64Reference) {
+  SeededRng rng;
+  const LinearInputs inputs = this->inputs(rng);
+  const auto [out_features, ku, kc, num_candidates, num_users] = inputs.shape;
+  const DeviceTensor x_c(device(), inputs.x_c), x_u(device(), inputs.x_u);
+  const auto map =
+      CandidateMap::build(inputs.cand_to_user.data(), num_candidates, num_users, device());
+  const auto x_full = DeviceTensor::poisoned(device(), dtype(), {num_candidates, ku + kc});
+  baseline::replicate_linear_input(x_c.view(), x_u.view(), map, x_full.view());
+
+  // The replicated input is a pure copy: exact, element by element.
+  std::vector<double> expected_x_full;
+  for (std::int64_t b = 0; b < num_candidates; ++b) {
+    const auto user_row = inputs.x_u.values.begin() + inputs.cand_to_user[b] * ku;
+    const auto candidate_row = inputs.x_c.values.begin() + b * kc;
+    expected_x_full.insert(expected_x_full.end(), user_row, user_row + ku);
+    expected_x_full.insert(expected_x_full.end(), candidate_row, candidate_row + kc);
+  }
+  EXPECT_TRUE(exactly_equal(x_full.values(), expected_x_full));
+  if (!device().is_cuda()) return;  // linear_concat is a cuBLASLt call
+
+  const DeviceTensor weight(device(), inputs.concatenated_weight());
+  const auto out = DeviceTensor::poisoned(device(), dtype(), {num_candidates, out_features});
+  const DeviceBuffer workspace(device(), baseline::linear_concat_workspace_bytes(weight.view()));
+  auto concat = [&](const Tensor* bias) {
+    baseline::linear_concat(weight.view(), bias, x_full.view(), out.view(), nullptr,
+                            {workspace.data(), workspace.bytes()});
+  };
+  if (inputs.has_bias()) {
+    const DeviceTensor bias(device(), inputs.bias);
+    const Tensor bias_view = bias.view();
+    concat(&bias_view);
+  } else {
+    concat(nullptr);
+  }
+  EXPECT_TRUE(matches_reference(out.values(), inputs.expected(), dtype()));
 }
 
 std::string linear_param_name(const testing::TestParamInfo<LinearParam>& info) {
