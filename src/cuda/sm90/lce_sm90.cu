@@ -46,13 +46,15 @@
 // The user partial P. A user unit stores P exactly as it sits in the
 // accumulators ("fragment order": per tile, [register quad j][consumer
 // thread][4]), so a warp writes 512 contiguous bytes per 16-byte store. A
-// candidate unit's first three k-steps are "register steps"
-// (pipeline.cuh): bulk copies of its P tile (115 KB, 11 quads per 44 KB
-// stage), which the consumers read back in the same order, conflict-free.
-// Loading P this way, during the previous unit's main loop and through the
-// copy engine, instead of adding it in the epilogue from L2 with the
-// tensor cores idle, took the reference shape from 0.411 to 0.390 ms on
-// H100 (an ablation without any P read ran 0.363 ms).
+// candidate unit's last three k-steps are "register steps" (pipeline.cuh):
+// bulk copies of its P tile (115 KB, 11 quads per 44 KB stage), which the
+// consumers add to their accumulators in the same order, conflict-free.
+// Loading P this way, during the unit's main loop and through the copy
+// engine, instead of reading it in the epilogue from L2 with the tensor
+// cores idle, took the reference shape from 0.411 to 0.390 ms on H100 (an
+// ablation without any P read ran 0.363 ms). P comes last rather than
+// first so that a candidate unit's main loop never waits for its user
+// tile: at the start of a launch the user tiles are still being computed.
 //
 // Candidate epilogue: round, transpose into shared memory with
 // stmatrix.trans (rows of M with N contiguous, 128-byte swizzled, so the
@@ -178,10 +180,10 @@ struct LceSm90Kernel {
   static_assert(kBlockM % kStagingRows == 0 && kQuadsPerStore % 2 == 0,
                 "output stores take whole stmatrix.x4 row pairs");
 
-  // A candidate unit starts with kPartialSteps steps that bring the fp32
+  // A candidate unit ends with kPartialSteps steps that bring the fp32
   // user partial of its tile, in fragment order, through the ring: each
-  // consumer thread loads its registers from it, and the main loop
-  // accumulates on top, so the epilogue only rounds and stores. A step
+  // consumer thread adds it to its accumulators once the main loop has
+  // retired, so the epilogue only rounds and stores. A step
   // carries whole register quads (kQuadBytes: one float4 per consumer
   // thread); the last one fewer.
   static constexpr int kQuads = kAccumulators / 4;
@@ -228,10 +230,13 @@ struct LceSm90Kernel {
     return k_step + 1 < kPartialSteps ? kQuadsPerPartialStep
                                       : kQuads - (kPartialSteps - 1) * kQuadsPerPartialStep;
   }
+  // The partial step that k-step `k_step` of a candidate unit is, or -1.
+  __device__ static int partial_step(const Params& params, int k_step) {
+    return k_step >= params.candidate_k_steps ? k_step - params.candidate_k_steps : -1;
+  }
   __device__ static std::uint32_t stage_bytes(const Params& params, int unit, int k_step) {
-    if (!is_user_unit(params, unit) && k_step < kPartialSteps) {
-      return static_cast<std::uint32_t>(partial_step_quads(k_step) * kQuadBytes);
-    }
+    const int step = is_user_unit(params, unit) ? -1 : partial_step(params, k_step);
+    if (step >= 0) return static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes);
     return kStageBytes;
   }
   __device__ static const float* partial_tile(const Params& params, const Tile& tile) {
@@ -241,21 +246,18 @@ struct LceSm90Kernel {
   __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
                               std::uint64_t* full) {
     const Tile tile = tile_at(params, unit, rank);
-    if (!tile.user) {
-      if (k_step < kPartialSteps) {
-        if (k_step == 0) {
-          // Written by the user unit's consumers with ordinary stores; read
-          // here by TMA (see ptx::fence_async_global).
-          ptx::wait_ready(params.user_ready + tile.partial_tile, kConsumerWarpgroups);
-          ptx::fence_async_global();
-        }
-        ptx::bulk_load(&stage,
-                       reinterpret_cast<const char*>(partial_tile(params, tile)) +
-                           std::int64_t{k_step} * kQuadsPerPartialStep * kQuadBytes,
-                       stage_bytes(params, unit, k_step), full);
-        return;
+    if (const int step = tile.user ? -1 : partial_step(params, k_step); step >= 0) {
+      if (step == 0) {
+        // Written by the user unit's consumers with ordinary stores; read
+        // here by TMA (see ptx::fence_async_global).
+        ptx::wait_ready(params.user_ready + tile.partial_tile, kConsumerWarpgroups);
+        ptx::fence_async_global();
       }
-      k_step -= kPartialSteps;
+      ptx::bulk_load(&stage,
+                     reinterpret_cast<const char*>(partial_tile(params, tile)) +
+                         std::int64_t{step} * kQuadsPerPartialStep * kQuadBytes,
+                     stage_bytes(params, unit, k_step), full);
+      return;
     }
     const CUtensorMap* activations =
         tile.user ? &params.user_activations : &params.candidate_activations;
@@ -277,14 +279,11 @@ struct LceSm90Kernel {
     return is_user_unit(params, unit) ? 0 : kPartialSteps;
   }
 
-  // A step of the user partial: this thread's quads of it into the accumulators.
-  __device__ static void load_registers(const Params&, int, int, const Stage& stage, int k_step,
+  // A step of the user partial: this thread's quads of it added to the
+  // accumulators.
+  __device__ static void load_registers(const Params&, int, int, const Stage& stage, int step,
                                         Accumulators& accumulators, int consumer) {
     float* acc = accumulators.values;
-    // No wgmma is in flight here; ptxas cannot tell across the unit loop,
-    // and without this wait it serializes every wgmma of the kernel
-    // (warning C7515) because ordinary loads write the accumulators.
-    ptx::wgmma_wait<0>();
     // Fragment order: the float4 of quad j of consumer thread t sits at
     // (j * kConsumerThreads + t) * 16 bytes, so a warp reads 512
     // contiguous bytes per quad, free of bank conflicts.
@@ -293,21 +292,19 @@ struct LceSm90Kernel {
         reinterpret_cast<const float4*>(&stage) + consumer * kWarpgroupThreads + thread;
 #pragma unroll
     for (int quad = 0; quad < kQuads; ++quad) {
-      if (quad / kQuadsPerPartialStep == k_step) {
+      if (quad / kQuadsPerPartialStep == step) {
         const float4 value = partial[quad % kQuadsPerPartialStep * kConsumerThreads];
-        acc[4 * quad] = value.x;
-        acc[4 * quad + 1] = value.y;
-        acc[4 * quad + 2] = value.z;
-        acc[4 * quad + 3] = value.w;
+        acc[4 * quad] += value.x;
+        acc[4 * quad + 1] += value.y;
+        acc[4 * quad + 2] += value.z;
+        acc[4 * quad + 3] += value.w;
       }
     }
   }
 
-  __device__ static void compute(const Params& params, int unit, int, const Stage& stage,
-                                 int k_step, Accumulators& accumulators, int consumer) {
-    // A user unit's first k-step starts from zero, a candidate unit's
-    // accumulates onto the user partial.
-    const bool first = is_user_unit(params, unit) && k_step == 0;
+  __device__ static void compute(const Params&, int, int, const Stage& stage, int k_step,
+                                 Accumulators& accumulators, int consumer) {
+    const bool first = k_step == 0;  // starts the accumulators from zero
     // A (e^T, MN-major) spans a single 64-wide group along n, so only the
     // stride offset (8 k-rows, 1024 bytes) is used; the leading offset gets
     // the same value. B (w, K-major) steps 1024 bytes per 8 rows of m.

@@ -39,15 +39,16 @@
 //     one CTA for that k-step, multicasts from the other CTAs included;
 //   load(params, unit, rank, k_step, stage, full)  one producer thread:
 //     issue the TMA copies of a k-step, completing on barrier `full`;
-//   num_register_steps(params, unit)  how many of the unit's first k-steps
+//   num_register_steps(params, unit)  how many of the unit's last k-steps
 //     are register steps, at most kMaxRegisterSteps (0 for a plain GEMM);
-//   load_registers(params, unit, rank, stage, k_step, accumulators,
-//     consumer)  one consumer warpgroup, a register step: read the stage
-//     into registers with ordinary loads (e.g. to start the accumulators
-//     from a partial result instead of zero); the stage is released after;
+//   load_registers(params, unit, rank, stage, step, accumulators,
+//     consumer)  one consumer warpgroup, register step `step` (0, 1, ...),
+//     after every wgmma of the unit retired: read the stage into registers
+//     with ordinary loads (e.g. to add a partial result to the
+//     accumulators); the stage is released after;
 //   compute(params, unit, rank, stage, k_step, accumulators, consumer)
-//     one consumer warpgroup, every other k-step: issue its wgmmas and
-//     commit them as one group;
+//     one consumer warpgroup, every other k-step (they come first): issue
+//     its wgmmas and commit them as one group;
 //   finish(params, unit, rank, accumulators, shared, consumer)  one
 //     consumer warpgroup, every wgmma of the unit retired: the epilogue;
 //   drain(shared, consumer)  one consumer warpgroup after its last unit
@@ -360,22 +361,9 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     typename Kernel::Accumulators accumulators{};
     for (int unit = first_unit; unit < num_units; unit += unit_step) {
       const int k_steps = Kernel::num_k_steps(params, unit);
-      // Register steps come first, while no wgmma is in flight: ptxas
-      // serializes every wgmma of a kernel in which ordinary instructions
-      // may write accumulators under a running wgmma.
       const int register_steps = Kernel::num_register_steps(params, unit);
-#pragma unroll
-      for (int k_step = 0; k_step < Kernel::kMaxRegisterSteps; ++k_step) {
-        if (k_step >= register_steps) break;
-        ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
-        Kernel::load_registers(params, unit, rank, shared.stages[state.stage], k_step,
-                               accumulators, consumer);
-        // The arrive's release semantics order the loads before it.
-        release(state.stage);
-        state.advance();
-      }
       int previous_stage = -1;
-      for (int k_step = register_steps; k_step < k_steps; ++k_step) {
+      for (int k_step = 0; k_step < k_steps - register_steps; ++k_step) {
         ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
         Kernel::compute(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
                         consumer);
@@ -387,7 +375,20 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         state.advance();
       }
       ptx::wgmma_wait<0>();
-      release(previous_stage);
+      if (previous_stage >= 0) release(previous_stage);
+      // Register steps come last, once no wgmma is in flight: ptxas
+      // serializes every wgmma of a kernel in which ordinary instructions
+      // may write accumulators under a running wgmma.
+#pragma unroll
+      for (int step = 0; step < Kernel::kMaxRegisterSteps; ++step) {
+        if (step >= register_steps) break;
+        ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
+        Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
+                               accumulators, consumer);
+        // The arrive's release semantics order the loads before it.
+        release(state.stage);
+        state.advance();
+      }
       Kernel::finish(params, unit, rank, accumulators, shared, consumer);
     }
     Kernel::drain(shared, consumer);
