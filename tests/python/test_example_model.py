@@ -180,6 +180,26 @@ def test_comparison_and_model_records():
         assert record["suite"] == "model" and record["B"] == 17 and record["U"] == 4
         assert record["median_ms"] > 0 and record["end_to_end_speedup"] > 0
     assert records[1]["end_to_end_speedup"] == pytest.approx(comparison.speedup)
+    # CUDA-graph replays are a GPU measurement only.
+    assert comparison.original_graph_ms is None and comparison.graph_speedup is None
+    assert records[1]["median_ms_cuda_graph"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graph_replay_matches_eager_passes():
+    device = torch.device("cuda")
+    model = tiny_model(torch.float16).to(device)
+    inputs = run_module.make_request(TINY, 17, 4, torch.float16, device)
+    with torch.no_grad():
+        rewritten = rewrite.optimize(model, inputs, verbose=False)
+        eager = rewritten(*inputs)
+        timer = bench.Timer(device, reps=3, warmup=1)
+        assert run_module.graph_replay_ms(lambda: rewritten(*inputs), timer) > 0
+        # A replay recomputes the captured pass on the same inputs.
+        graph, captured = run_module.capture(lambda: rewritten(*inputs))
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(captured, eager)
 
 
 def test_command_line_writes_records(tmp_path, capsys):
