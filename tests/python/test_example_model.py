@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip(
     "torch", reason="torch is not importable; the example model and the rewrite pass need it"
 )
+ikbo = pytest.importorskip("ikbo")
 rewrite = pytest.importorskip("ikbo.rewrite")
 bench = pytest.importorskip("ikbo.bench")
 F = torch.nn.functional
@@ -185,7 +186,11 @@ def test_comparison_and_model_records():
     assert records[1]["median_ms_cuda_graph"] is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and ikbo.built_with_cuda()),
+    reason=f"no CUDA device (torch.cuda.is_available() = {torch.cuda.is_available()}, "
+    f"ikbo.built_with_cuda() = {ikbo.built_with_cuda()})",
+)
 def test_cuda_graph_replay_matches_eager_passes():
     device = torch.device("cuda")
     model = tiny_model(torch.float16).to(device)
