@@ -106,11 +106,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
-#include <mutex>
-#include <optional>
 #include <string_view>
 #include <type_traits>
-#include <vector>
 
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
@@ -120,6 +117,7 @@
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/runtime.cuh"
+#include "cuda/sm90/device_support.cuh"
 #include "cuda/sm90/pipeline.cuh"
 
 // For targets without wgmma the kernel compiles to a trap (see
@@ -131,6 +129,7 @@
 namespace ikbo::detail::cuda {
 namespace {
 
+using sm90::kSharedAlignment;
 using sm90::kWarpgroupThreads;
 
 constexpr int kBlockM = 128;          // query rows per unit
@@ -139,7 +138,6 @@ constexpr int kBlockN = 128;          // keys per K/V block
 constexpr int kSwizzleElements = 64;  // elements per 128-byte swizzle row
 constexpr int kSwizzleRowBytes = 128;
 constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;  // 8-row swizzle atom
-constexpr int kSharedAlignment = 1024;
 constexpr int kWgmmaK = 16;
 constexpr int kElementBytes = 2;
 constexpr double kLog2e = 1.4426950408889634;
@@ -389,29 +387,24 @@ struct AttentionSm90Kernel {
       return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
     };
     float extreme[2];
+    // Each half's extreme over the quad's valid scores, by `pick` from `start`.
+    const auto reduce = [&](auto pick, float start) {
+      extreme[0] = extreme[1] = start;
+#pragma unroll
+      for (int i = 0; i < kScoreRegisters; ++i) {
+        if (valid(i)) extreme[(i / 2) % 2] = pick(extreme[(i / 2) % 2], scores[i]);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
+        extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
+      }
+    };
     // max(scale * s) = scale * max(s) for scale >= 0, scale * min(s) otherwise.
     if (scale_log2 >= 0.0f) {
-      extreme[0] = extreme[1] = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kScoreRegisters; ++i) {
-        if (valid(i)) extreme[(i / 2) % 2] = fmaxf(extreme[(i / 2) % 2], scores[i]);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        extreme[half] = fmaxf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
-        extreme[half] = fmaxf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
-      }
+      reduce([](float a, float b) { return fmaxf(a, b); }, -INFINITY);
     } else {
-      extreme[0] = extreme[1] = INFINITY;
-#pragma unroll
-      for (int i = 0; i < kScoreRegisters; ++i) {
-        if (valid(i)) extreme[(i / 2) % 2] = fminf(extreme[(i / 2) % 2], scores[i]);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        extreme[half] = fminf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
-        extreme[half] = fminf(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
-      }
+      reduce([](float a, float b) { return fminf(a, b); }, INFINITY);
     }
     // Lazy rescaling: a warp keeps its rows' running maxima until a block's
     // maximum exceeds one of them by more than kRescaleSlack (log2 units).
@@ -744,21 +737,10 @@ struct AttentionSm90Kernel {
 };
 
 template <class Kernel>
-constexpr std::size_t kDynamicSharedBytes =
-    sizeof(typename Kernel::SharedStorage) + kSharedAlignment;
-
-template <class Kernel>
 __global__ void __launch_bounds__(sm90::kPipelineThreads<Kernel>, 1)
     attention_sm90_kernel(const __grid_constant__ AttentionSm90Params params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // Static shared memory exists only in this sm_90a body: the host reads it
-  // back (cudaFuncGetAttributes) to know that the binary carries the kernel.
-  __shared__ sm90::KernelBarriers<Kernel> barriers;
-  extern __shared__ unsigned char dynamic_shared[];
-  const std::uint32_t misalignment = ptx::shared_address(dynamic_shared) % kSharedAlignment;
-  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(
-      dynamic_shared + (misalignment == 0 ? 0 : kSharedAlignment - misalignment));
-  sm90::run_pipeline<Kernel>(params, shared, barriers);
+  sm90::run_pipeline_kernel<Kernel>(params);
 #elif defined(__CUDA_ARCH__)
   // Compiled for a target without wgmma; attention_sm90_available() keeps
   // the host from launching it.
@@ -791,59 +773,23 @@ void for_each_kernel(Fn&& fn) {
 }
 
 DeviceSupport probe_device(int ordinal) {
-  DeviceGuard guard(ordinal);
-  int major = 0, minor = 0, multiprocessors = 0, shared_optin = 0;
-  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
-  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal));
-  IKBO_CUDA_CHECK(
-      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, ordinal));
-  IKBO_CUDA_CHECK(
-      cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal));
-  // sm_90a code runs on compute capability 9.0 only.
-  if (major != 9 || minor != 0) return {};
+  const sm90::HopperDevice device = sm90::query_device(ordinal);
+  if (!device.sm90) return {};
   bool available = true;
   for_each_kernel([&](auto kernel_traits) {
     using Kernel = decltype(kernel_traits);
-    if (!available) return;
-    cudaFuncAttributes attributes{};
-    const cudaError_t status = cudaFuncGetAttributes(&attributes, attention_sm90_kernel<Kernel>);
-    if (status == cudaErrorInvalidDeviceFunction || status == cudaErrorNoKernelImageForDevice) {
-      static_cast<void>(cudaGetLastError());  // not sticky; keep it from later launch checks
-      available = false;
-      return;
-    }
-    IKBO_CUDA_CHECK(status);
-    if (attributes.sharedSizeBytes == 0 ||
-        static_cast<std::size_t>(shared_optin) <
-            kDynamicSharedBytes<Kernel> + attributes.sharedSizeBytes) {
-      available = false;
-      return;
-    }
-    IKBO_CUDA_CHECK(cudaFuncSetAttribute(attention_sm90_kernel<Kernel>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kDynamicSharedBytes<Kernel>)));
+    available = available && sm90::prepare_kernel(attention_sm90_kernel<Kernel>,
+                                                  sm90::kDynamicSharedBytes<Kernel>, device);
   });
-  return {available, multiprocessors};
+  return {available, device.multiprocessors};
 }
 
 DeviceSupport device_support(int ordinal) {
-  static std::mutex mutex;
-  static std::vector<std::optional<DeviceSupport>> probed(
-      static_cast<std::size_t>(device::device_count()));
-  if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= probed.size()) return {};
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto& entry = probed[static_cast<std::size_t>(ordinal)];
-  if (!entry) entry = probe_device(ordinal);
-  return *entry;
-}
-
-bool environment_flag_set(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && !std::string_view(value).empty() && std::string_view(value) != "0";
+  return sm90::probed_once<DeviceSupport, probe_device>(ordinal);
 }
 
 std::atomic<bool>& enabled_switch() {
-  static std::atomic<bool> enabled{!environment_flag_set("IKBO_DISABLE_SM90")};
+  static std::atomic<bool> enabled{sm90::sm90_enabled_by_environment()};
   return enabled;
 }
 
@@ -907,7 +853,7 @@ template <class Kernel>
 void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t stream) {
   const int grid = std::min(params.num_units, multiprocessors);
   attention_sm90_kernel<Kernel>
-      <<<grid, sm90::kPipelineThreads<Kernel>, kDynamicSharedBytes<Kernel>, stream>>>(params);
+      <<<grid, sm90::kPipelineThreads<Kernel>, sm90::kDynamicSharedBytes<Kernel>, stream>>>(params);
   check_launch("attention_sm90_kernel");
 }
 

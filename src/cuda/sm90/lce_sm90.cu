@@ -76,14 +76,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <type_traits>
-#include <vector>
 
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
@@ -93,6 +89,7 @@
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "cuda/runtime.cuh"
+#include "cuda/sm90/device_support.cuh"
 #include "cuda/sm90/pipeline.cuh"
 
 // For targets without wgmma the kernels compile to a trap (see
@@ -105,6 +102,7 @@
 namespace ikbo::detail::cuda {
 namespace {
 
+using sm90::kSharedAlignment;
 using sm90::kWarpgroupThreads;
 
 constexpr int kBlockN = 128;          // columns of out per tile
@@ -113,8 +111,6 @@ constexpr int kBlockM = 224;          // rows of out per tile (wgmma N)
 constexpr int kBlockK = 64;           // one 128-byte swizzle row of 16-bit elements
 constexpr int kWgmmaK = 16;
 constexpr std::int64_t kTileElements = std::int64_t{kBlockN} * kBlockM;
-// Shared-memory tiles start on the 128-byte swizzle's 1024-byte atoms.
-constexpr int kSharedAlignment = 1024;
 constexpr int kSwizzleRowBytes = 128;
 constexpr int kElementBytes = 2;
 
@@ -399,20 +395,10 @@ struct LceSm90Kernel {
 };
 
 template <class Kernel>
-constexpr std::size_t kDynamicSharedBytes = sizeof(typename Kernel::SharedStorage) + kSharedAlignment;
-
-template <class Kernel>
 __global__ void __launch_bounds__(sm90::kPipelineThreads<Kernel>, 1)
     lce_sm90_kernel(const __grid_constant__ LceSm90Params params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // Static shared memory exists only in this sm_90a body: the host reads it
-  // back (cudaFuncGetAttributes) to know that the binary carries the kernel.
-  __shared__ sm90::PipelineBarriers<Kernel::kStages> barriers;
-  extern __shared__ unsigned char dynamic_shared[];
-  const std::uint32_t misalignment = ptx::shared_address(dynamic_shared) % kSharedAlignment;
-  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(
-      dynamic_shared + (misalignment == 0 ? 0 : kSharedAlignment - misalignment));
-  sm90::run_pipeline<Kernel>(params, shared, barriers);
+  sm90::run_pipeline_kernel<Kernel>(params);
 #elif defined(__CUDA_ARCH__)
   // Compiled for a target without wgmma; lce_sm90_available() keeps the
   // host from launching it.
@@ -433,7 +419,7 @@ cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream,
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(clusters * Kernel::kClusterSize));
   config.blockDim = dim3(sm90::kPipelineThreads<Kernel>);
-  config.dynamicSmemBytes = kDynamicSharedBytes<Kernel>;
+  config.dynamicSmemBytes = sm90::kDynamicSharedBytes<Kernel>;
   config.stream = stream;
   cluster_shape.id = cudaLaunchAttributeClusterDimension;
   cluster_shape.val.clusterDim.x = Kernel::kClusterSize;
@@ -444,13 +430,10 @@ cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream,
   return config;
 }
 
-// Raises the kernel's dynamic shared memory limit; returns how many of its
-// clusters fit on the device at once.
+// How many of the kernel's clusters fit on the device at once (its dynamic
+// shared memory limit raised first: sm90::prepare_kernel).
 template <class Kernel>
-int prepare_kernel(int multiprocessors) {
-  IKBO_CUDA_CHECK(cudaFuncSetAttribute(lce_sm90_kernel<Kernel>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kDynamicSharedBytes<Kernel>)));
+int max_active_clusters(int multiprocessors) {
   cudaLaunchAttribute cluster_shape{};
   const cudaLaunchConfig_t config =
       launch_config<Kernel>(multiprocessors / Kernel::kClusterSize, nullptr, cluster_shape);
@@ -459,51 +442,29 @@ int prepare_kernel(int multiprocessors) {
   return clusters;
 }
 
+// The clusters of Kernel that fit on the device at once, 0 if it cannot run.
+template <class Kernel>
+int clusters_if_ready(const sm90::HopperDevice& device) {
+  if (!sm90::prepare_kernel(lce_sm90_kernel<Kernel>, sm90::kDynamicSharedBytes<Kernel>, device)) {
+    return 0;
+  }
+  return max_active_clusters<Kernel>(device.multiprocessors);
+}
+
 DeviceSupport probe_device(int ordinal) {
-  DeviceGuard guard(ordinal);
-  int major = 0, minor = 0, multiprocessors = 0, shared_optin = 0;
-  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
-  IKBO_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal));
-  IKBO_CUDA_CHECK(
-      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, ordinal));
-  IKBO_CUDA_CHECK(
-      cudaDeviceGetAttribute(&shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal));
-  // sm_90a code runs on compute capability 9.0 only.
-  if (major != 9 || minor != 0) return {};
-  cudaFuncAttributes attributes{};
-  const cudaError_t status =
-      cudaFuncGetAttributes(&attributes, lce_sm90_kernel<LceSm90Kernel<__half>>);
-  if (status == cudaErrorInvalidDeviceFunction || status == cudaErrorNoKernelImageForDevice) {
-    static_cast<void>(cudaGetLastError());  // not sticky; keep it from later launch checks
-    return {};
-  }
-  IKBO_CUDA_CHECK(status);
-  if (attributes.sharedSizeBytes == 0) return {};
-  if (static_cast<std::size_t>(shared_optin) <
-      kDynamicSharedBytes<LceSm90Kernel<__half>> + attributes.sharedSizeBytes) {
-    return {};
-  }
-  const int clusters = std::min(prepare_kernel<LceSm90Kernel<__half>>(multiprocessors),
-                                prepare_kernel<LceSm90Kernel<__nv_bfloat16>>(multiprocessors));
+  const sm90::HopperDevice device = sm90::query_device(ordinal);
+  if (!device.sm90) return {};
+  const int clusters = std::min(clusters_if_ready<LceSm90Kernel<__half>>(device),
+                                clusters_if_ready<LceSm90Kernel<__nv_bfloat16>>(device));
   return {clusters > 0, clusters};
 }
 
 DeviceSupport device_support(int ordinal) {
-  static std::mutex mutex;
-  static std::vector<std::optional<DeviceSupport>> probed(
-      static_cast<std::size_t>(device::device_count()));
-  if (ordinal < 0 || static_cast<std::size_t>(ordinal) >= probed.size()) return {};
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto& entry = probed[static_cast<std::size_t>(ordinal)];
-  if (!entry) entry = probe_device(ordinal);
-  return *entry;
+  return sm90::probed_once<DeviceSupport, probe_device>(ordinal);
 }
 
 std::atomic<bool>& enabled_switch() {
-  static std::atomic<bool> enabled{[] {
-    const char* value = std::getenv("IKBO_DISABLE_SM90");
-    return value == nullptr || std::string_view(value).empty() || std::string_view(value) == "0";
-  }()};
+  static std::atomic<bool> enabled{sm90::sm90_enabled_by_environment()};
   return enabled;
 }
 

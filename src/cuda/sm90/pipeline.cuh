@@ -98,10 +98,12 @@
 //     drain(shared, consumer) runs after it, as before.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/ptx/cluster.cuh"
 #include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/sm80.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 
@@ -112,6 +114,14 @@ inline constexpr int kWarpsPerWarpgroup = 4;
 
 template <class Kernel>
 inline constexpr int kPipelineThreads = kWarpgroupThreads * (1 + Kernel::kConsumerWarpgroups);
+
+// Shared-memory tiles start on the 128-byte swizzle's 1024-byte atoms; the
+// dynamic shared memory is over-allocated by one atom to align the storage.
+inline constexpr int kSharedAlignment = 1024;
+
+template <class Kernel>
+inline constexpr std::size_t kDynamicSharedBytes =
+    sizeof(typename Kernel::SharedStorage) + kSharedAlignment;
 
 template <int kStages, int kUnitStages = 0>
 struct PipelineBarriers {
@@ -393,6 +403,22 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     }
     Kernel::drain(shared, consumer);
   }
+}
+
+// The body of a __global__ kernel on the pipeline: the barriers in static
+// shared memory, the SharedStorage aligned in the dynamic shared memory
+// (kDynamicSharedBytes<Kernel> bytes at launch). Call it only where sm_90a
+// code is compiled: the static shared memory then exists only there, and
+// the host reads it back (cudaFuncGetAttributes) to know that the binary
+// carries the kernel (device_support.cuh).
+template <class Kernel>
+__device__ __forceinline__ void run_pipeline_kernel(const typename Kernel::Params& params) {
+  __shared__ KernelBarriers<Kernel> barriers;
+  extern __shared__ unsigned char dynamic_shared[];
+  const std::uint32_t misalignment = ptx::shared_address(dynamic_shared) % kSharedAlignment;
+  auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(
+      dynamic_shared + (misalignment == 0 ? 0 : kSharedAlignment - misalignment));
+  run_pipeline<Kernel>(params, shared, barriers);
 }
 
 }  // namespace ikbo::detail::cuda::sm90
