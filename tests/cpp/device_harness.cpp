@@ -84,6 +84,18 @@ std::optional<std::string> unavailable_reason(Device device) {
 #endif
 }
 
+std::optional<std::string> hopper_unavailable_reason(bool (*available)(Device),
+                                                     std::string_view path) {
+  const Device device = Device::cuda(0);
+  if (auto reason = unavailable_reason(device)) return reason;
+  if (available == nullptr || !available(device)) {
+    return "CUDA device 0 is not a compute capability 9.0 GPU, or this build carries no sm_90a "
+           "code: the Hopper " +
+           std::string(path) + " path cannot run here";
+  }
+  return std::nullopt;
+}
+
 DeviceBuffer::DeviceBuffer(Device device, std::size_t bytes) : device_(device), bytes_(bytes) {
   if (bytes == 0) return;
   if (!device.is_cuda()) {

@@ -20,6 +20,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -45,6 +46,11 @@ std::string device_param_name(const testing::TestParamInfo<Device>& info);
 // Why tests cannot run on `device` here ("no CUDA device: ...", "ikbo built
 // without CUDA"), or nullopt when they can.
 std::optional<std::string> unavailable_reason(Device device);
+// Why a Hopper (sm_90a) path cannot run on CUDA device 0, or nullopt.
+// `available` is the path's own probe (e.g. detail::cuda::lce_sm90_available),
+// null in a build without CUDA; `path` names it in the reason.
+std::optional<std::string> hopper_unavailable_reason(bool (*available)(Device),
+                                                     std::string_view path);
 
 // In a test body or SetUp: skip, with the reason, when `device` is unusable.
 #define IKBO_SKIP_IF_UNAVAILABLE(device)                                      \

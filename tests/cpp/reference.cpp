@@ -327,4 +327,65 @@ std::vector<std::int64_t> dense_kv_offsets(std::int64_t num_users, std::int64_t 
   return offsets;
 }
 
+void PrintTo(const AttentionCase& value, std::ostream* stream) { *stream << value.name; }
+
+double AttentionInputs::effective_scale() const {
+  return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
+}
+
+std::vector<double> AttentionInputs::expected() const {
+  return reference_attention(shape, q.values, k.values, v.values, cand_to_user, kv_offsets,
+                             effective_scale());
+}
+
+AttentionInputs random_attention_inputs(SeededRng& rng, DType dtype, const AttentionCase& test_case) {
+  AttentionInputs inputs;
+  inputs.shape = {test_case.num_candidates, test_case.n_seed, test_case.heads, test_case.head_dim};
+  std::vector<std::int64_t> kv_shape;
+  if (test_case.jagged()) {
+    inputs.kv_offsets.push_back(0);
+    for (std::int64_t length : test_case.user_lengths) {
+      inputs.kv_offsets.push_back(inputs.kv_offsets.back() + length);
+    }
+    kv_shape = {inputs.kv_offsets.back(), test_case.heads, test_case.head_dim};
+  } else {
+    inputs.kv_offsets = dense_kv_offsets(test_case.num_users, test_case.seq_len);
+    kv_shape = {test_case.num_users, test_case.seq_len, test_case.heads, test_case.head_dim};
+  }
+  // Queries twice as wide as keys make the softmax less flat than uniform noise would.
+  inputs.q = rng.tensor(
+      dtype, {test_case.num_candidates, test_case.n_seed, test_case.heads, test_case.head_dim},
+      -2.0, 2.0);
+  inputs.k = rng.tensor(dtype, kv_shape);
+  inputs.v = rng.tensor(dtype, kv_shape);
+  inputs.cand_to_user =
+      rng.candidate_map(test_case.num_candidates, test_case.num_users, test_case.order);
+  inputs.scale = test_case.scale;
+  return inputs;
+}
+
+std::span<const double> candidate_outputs(std::span<const double> values,
+                                          const AttentionInputs& inputs, std::int64_t b) {
+  const auto size =
+      static_cast<std::size_t>(inputs.shape.n_seed * inputs.shape.heads * inputs.shape.head_dim);
+  return values.subspan(static_cast<std::size_t>(b) * size, size);
+}
+
+testing::AssertionResult empty_histories_give_zeros(const AttentionInputs& inputs,
+                                                    std::span<const double> actual) {
+  for (std::int64_t b = 0; b < inputs.shape.num_candidates; ++b) {
+    const auto user = static_cast<std::size_t>(inputs.cand_to_user[static_cast<std::size_t>(b)]);
+    if (inputs.kv_offsets[user + 1] != inputs.kv_offsets[user]) continue;
+    const std::span<const double> outputs = candidate_outputs(actual, inputs, b);
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i] != 0.0) {
+        return testing::AssertionFailure()
+               << "candidate " << b << " (user " << user << ", empty history) has out element " << i
+               << " = " << outputs[i] << ", expected 0";
+      }
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
 }  // namespace ikbo::test

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <span>
@@ -124,5 +125,38 @@ std::vector<double> reference_attention(const AttentionShape& shape, std::span<c
                                         std::span<const std::int64_t> kv_offsets, double scale);
 // Offsets of dense K/V: user u owns rows u * seq_len .. (u + 1) * seq_len.
 std::vector<std::int64_t> dense_kv_offsets(std::int64_t num_users, std::int64_t seq_len);
+
+// A named attention case of the parametrized tests.
+struct AttentionCase {
+  const char* name;
+  std::int64_t num_candidates, num_users, n_seed, heads, head_dim;
+  std::int64_t seq_len;                    // dense K/V [U, S, H, D] when user_lengths is empty
+  std::vector<std::int64_t> user_lengths;  // jagged K/V: rows per user
+  MapOrder order;
+  std::optional<float> scale;  // nullopt: the default 1/sqrt(D)
+
+  bool jagged() const { return !user_lengths.empty(); }
+};
+void PrintTo(const AttentionCase& value, std::ostream* stream);  // the name, in test output
+
+// Random host inputs of a case, and their fp64 reference output.
+struct AttentionInputs {
+  AttentionShape shape;
+  std::vector<std::int64_t> kv_offsets;  // [U + 1]; dense: u * S
+  HostTensor q, k, v;
+  std::vector<std::int32_t> cand_to_user;
+  std::optional<float> scale;
+
+  double effective_scale() const;
+  std::vector<double> expected() const;
+};
+AttentionInputs random_attention_inputs(SeededRng& rng, DType dtype, const AttentionCase& test_case);
+
+// The elements of candidate b in q or out.
+std::span<const double> candidate_outputs(std::span<const double> values,
+                                          const AttentionInputs& inputs, std::int64_t b);
+// Candidates whose user has no history must get exact zeros.
+testing::AssertionResult empty_histories_give_zeros(const AttentionInputs& inputs,
+                                                    std::span<const double> actual);
 
 }  // namespace ikbo::test

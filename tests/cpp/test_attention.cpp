@@ -16,19 +16,6 @@
 namespace ikbo::test {
 namespace {
 
-struct AttentionCase {
-  const char* name;
-  std::int64_t num_candidates, num_users, n_seed, heads, head_dim;
-  std::int64_t seq_len;                    // dense K/V [U, S, H, D] when user_lengths is empty
-  std::vector<std::int64_t> user_lengths;  // jagged K/V: rows per user
-  MapOrder order;
-  std::optional<float> scale;  // nullopt: the default 1/sqrt(D)
-
-  bool jagged() const { return !user_lengths.empty(); }
-};
-
-void PrintTo(const AttentionCase& value, std::ostream* stream) { *stream << value.name; }
-
 const std::vector<AttentionCase>& attention_cases() {
   static const std::vector<AttentionCase> cases = {
       {"dense_seed1_s1_h1_d64", 4, 2, 1, 1, 64, 1, {}, MapOrder::sorted, std::nullopt},
@@ -118,73 +105,8 @@ const std::vector<AttentionCase>& attention_cases() {
   return cases;
 }
 
-struct AttentionInputs {
-  AttentionShape shape;
-  std::vector<std::int64_t> kv_offsets;  // [U + 1]; dense: u * S
-  HostTensor q, k, v;
-  std::vector<std::int32_t> cand_to_user;
-  std::optional<float> scale;
-
-  double effective_scale() const {
-    return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
-  }
-  std::vector<double> expected() const {
-    return reference_attention(shape, q.values, k.values, v.values, cand_to_user, kv_offsets,
-                               effective_scale());
-  }
-};
-
-AttentionInputs random_attention_inputs(SeededRng& rng, DType dtype,
-                                        const AttentionCase& test_case) {
-  AttentionInputs inputs;
-  inputs.shape = {test_case.num_candidates, test_case.n_seed, test_case.heads, test_case.head_dim};
-  if (test_case.jagged()) {
-    inputs.kv_offsets.push_back(0);
-    for (std::int64_t length : test_case.user_lengths) {
-      inputs.kv_offsets.push_back(inputs.kv_offsets.back() + length);
-    }
-  } else {
-    inputs.kv_offsets = dense_kv_offsets(test_case.num_users, test_case.seq_len);
-  }
-  const std::vector<std::int64_t> kv_shape =
-      test_case.jagged()
-          ? std::vector<std::int64_t>{inputs.kv_offsets.back(), test_case.heads, test_case.head_dim}
-          : std::vector<std::int64_t>{test_case.num_users, test_case.seq_len, test_case.heads,
-                                      test_case.head_dim};
-  // Queries twice as wide as keys make the softmax less flat than uniform noise would.
-  inputs.q = rng.tensor(
-      dtype, {test_case.num_candidates, test_case.n_seed, test_case.heads, test_case.head_dim},
-      -2.0, 2.0);
-  inputs.k = rng.tensor(dtype, kv_shape);
-  inputs.v = rng.tensor(dtype, kv_shape);
-  inputs.cand_to_user =
-      rng.candidate_map(test_case.num_candidates, test_case.num_users, test_case.order);
-  inputs.scale = test_case.scale;
-  return inputs;
-}
-
 std::vector<std::int32_t> as_int32(const std::vector<std::int64_t>& values) {
   return std::vector<std::int32_t>(values.begin(), values.end());
-}
-
-// Candidates whose user has no history must get exact zeros.
-testing::AssertionResult empty_histories_give_zeros(const AttentionInputs& inputs,
-                                                    const std::vector<double>& actual) {
-  const std::int64_t per_candidate =
-      inputs.shape.n_seed * inputs.shape.heads * inputs.shape.head_dim;
-  for (std::int64_t b = 0; b < inputs.shape.num_candidates; ++b) {
-    const auto user = static_cast<std::size_t>(inputs.cand_to_user[static_cast<std::size_t>(b)]);
-    if (inputs.kv_offsets[user + 1] != inputs.kv_offsets[user]) continue;
-    for (std::int64_t i = 0; i < per_candidate; ++i) {
-      const double value = actual[static_cast<std::size_t>(b * per_candidate + i)];
-      if (value != 0.0) {
-        return testing::AssertionFailure()
-               << "candidate " << b << " (user " << user << ", empty history) has out element " << i
-               << " = " << value << ", expected 0";
-      }
-    }
-  }
-  return testing::AssertionSuccess();
 }
 
 // Runs ikbo::attention for `inputs` on `device` into a poisoned output and

@@ -49,15 +49,10 @@ namespace {
 constexpr Device kCuda = Device::cuda(0);
 
 std::optional<std::string> sm90_unavailable_reason() {
-  if (auto reason = unavailable_reason(kCuda)) return reason;
 #ifdef IKBO_WITH_CUDA
-  if (!detail::cuda::attention_sm90_available(kCuda)) {
-    return "CUDA device 0 is not a compute capability 9.0 GPU, or this build carries no sm_90a "
-           "code: the Hopper attention path cannot run here";
-  }
-  return std::nullopt;
+  return hopper_unavailable_reason(detail::cuda::attention_sm90_available, "attention");
 #else
-  return "ikbo built without CUDA";
+  return hopper_unavailable_reason(nullptr, "attention");
 #endif
 }
 
@@ -117,21 +112,8 @@ class PathScope {
 #endif
 };
 
-struct Sm90AttentionCase {
-  const char* name;
-  std::int64_t num_candidates, num_users, n_seed, heads, head_dim;
-  std::int64_t seq_len;                    // dense K/V when user_lengths is empty
-  std::vector<std::int64_t> user_lengths;  // jagged K/V
-  MapOrder order;
-  std::optional<float> scale;
-
-  bool jagged() const { return !user_lengths.empty(); }
-};
-
-void PrintTo(const Sm90AttentionCase& value, std::ostream* stream) { *stream << value.name; }
-
-const std::vector<Sm90AttentionCase>& sm90_cases() {
-  static const std::vector<Sm90AttentionCase> cases = {
+const std::vector<AttentionCase>& sm90_cases() {
+  static const std::vector<AttentionCase> cases = {
       {"seed1_d64_h1_s1", 5, 3, 1, 1, 64, 1, {}, MapOrder::unsorted, std::nullopt},
       {"seed37_d128_h2_s127_uneven", 9, 4, 37, 2, 128, 127, {}, MapOrder::uneven_unsorted,
        std::nullopt},
@@ -156,51 +138,10 @@ const std::vector<Sm90AttentionCase>& sm90_cases() {
   return cases;
 }
 
-struct Inputs {
-  AttentionShape shape;
-  std::vector<std::int64_t> kv_offsets;
-  HostTensor q, k, v;
-  std::vector<std::int32_t> cand_to_user;
-  std::optional<float> scale;
-
-  double effective_scale() const {
-    return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
-  }
-  std::vector<double> expected() const {
-    return reference_attention(shape, q.values, k.values, v.values, cand_to_user, kv_offsets,
-                               effective_scale());
-  }
-};
-
-Inputs random_inputs(SeededRng& rng, DType dtype, const Sm90AttentionCase& test_case) {
-  Inputs inputs;
-  inputs.shape = {test_case.num_candidates, test_case.n_seed, test_case.heads, test_case.head_dim};
-  std::vector<std::int64_t> kv_shape;
-  if (test_case.jagged()) {
-    inputs.kv_offsets.push_back(0);
-    for (std::int64_t length : test_case.user_lengths) {
-      inputs.kv_offsets.push_back(inputs.kv_offsets.back() + length);
-    }
-    kv_shape = {inputs.kv_offsets.back(), test_case.heads, test_case.head_dim};
-  } else {
-    inputs.kv_offsets = dense_kv_offsets(test_case.num_users, test_case.seq_len);
-    kv_shape = {test_case.num_users, test_case.seq_len, test_case.heads, test_case.head_dim};
-  }
-  inputs.q = rng.tensor(
-      dtype, {test_case.num_candidates, test_case.n_seed, test_case.heads, test_case.head_dim},
-      -2.0, 2.0);
-  inputs.k = rng.tensor(dtype, kv_shape);
-  inputs.v = rng.tensor(dtype, kv_shape);
-  inputs.cand_to_user =
-      rng.candidate_map(test_case.num_candidates, test_case.num_users, test_case.order);
-  inputs.scale = test_case.scale;
-  return inputs;
-}
-
 // The inputs on device 0, and attention() into a poisoned output.
 class DeviceProblem {
  public:
-  DeviceProblem(const Inputs& inputs, std::int64_t num_users, bool jagged)
+  DeviceProblem(const AttentionInputs& inputs, std::int64_t num_users, bool jagged)
       : inputs_(inputs),
         q_(kCuda, inputs.q),
         k_(kCuda, inputs.k),
@@ -222,7 +163,7 @@ class DeviceProblem {
   }
 
  private:
-  const Inputs& inputs_;
+  const AttentionInputs& inputs_;
   DeviceTensor q_, k_, v_;
   CandidateMap map_;
   std::optional<JaggedOffsets> kv_offsets_;
@@ -236,30 +177,7 @@ double max_abs_error(std::span<const double> actual, std::span<const double> exp
   return largest;
 }
 
-// The element range of candidate b in q/out.
-std::span<const double> candidate_part(const std::vector<double>& values, const Inputs& inputs,
-                                       std::int64_t b) {
-  const auto size =
-      static_cast<std::size_t>(inputs.shape.n_seed * inputs.shape.heads * inputs.shape.head_dim);
-  return std::span(values).subspan(static_cast<std::size_t>(b) * size, size);
-}
-
-testing::AssertionResult empty_histories_give_zeros(const Inputs& inputs,
-                                                    const std::vector<double>& actual) {
-  for (std::int64_t b = 0; b < inputs.shape.num_candidates; ++b) {
-    const auto user = static_cast<std::size_t>(inputs.cand_to_user[static_cast<std::size_t>(b)]);
-    if (inputs.kv_offsets[user + 1] != inputs.kv_offsets[user]) continue;
-    for (double value : candidate_part(actual, inputs, b)) {
-      if (value != 0.0) {
-        return testing::AssertionFailure() << "candidate " << b << " (user " << user
-                                           << ", empty history) has a nonzero output " << value;
-      }
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-using Sm90Param = std::tuple<DType, Sm90AttentionCase>;
+using Sm90Param = std::tuple<DType, AttentionCase>;
 
 class AttentionSm90VsReference : public testing::TestWithParam<Sm90Param> {
  protected:
@@ -267,13 +185,13 @@ class AttentionSm90VsReference : public testing::TestWithParam<Sm90Param> {
     if (const auto reason = sm90_unavailable_reason()) GTEST_SKIP() << *reason;
   }
   DType dtype() const { return std::get<0>(GetParam()); }
-  const Sm90AttentionCase& attention_case() const { return std::get<1>(GetParam()); }
+  const AttentionCase& attention_case() const { return std::get<1>(GetParam()); }
 };
 
 TEST_P(AttentionSm90VsReference, MatchesReferenceAndPortablePathAndRepeatsBitwise) {
   SeededRng rng;
-  const Sm90AttentionCase& test_case = attention_case();
-  const Inputs inputs = random_inputs(rng, dtype(), test_case);
+  const AttentionCase& test_case = attention_case();
+  const AttentionInputs inputs = random_attention_inputs(rng, dtype(), test_case);
   const DeviceProblem problem(inputs, test_case.num_users, test_case.jagged());
   const std::vector<double> hopper = problem.run(Path::ping_pong);
   const std::vector<double> hopper_again = problem.run(Path::ping_pong);
@@ -330,7 +248,7 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
     SCOPED_TRACE(jagged ? "jagged K/V" : "dense K/V");
     SeededRng rng;
     const DType dtype = DType::f16;
-    const Sm90AttentionCase test_case{"poisoned_user",
+    const AttentionCase test_case{"poisoned_user",
                                       6,
                                       3,
                                       37,
@@ -341,7 +259,7 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
                                              : std::vector<std::int64_t>{},
                                       MapOrder::unsorted,
                                       std::nullopt};
-    Inputs inputs = random_inputs(rng, dtype, test_case);
+    AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
     const std::int64_t row_size = test_case.heads * test_case.head_dim;
     const auto first = static_cast<std::size_t>(inputs.kv_offsets[1] * row_size);
     const auto last = static_cast<std::size_t>(inputs.kv_offsets[2] * row_size);
@@ -355,8 +273,8 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
       for (std::int64_t b = 0; b < test_case.num_candidates; ++b) {
         if (inputs.cand_to_user[static_cast<std::size_t>(b)] == 1) continue;
         SCOPED_TRACE(testing::Message() << "candidate " << b);
-        EXPECT_TRUE(matches_reference(candidate_part(out, inputs, b),
-                                      candidate_part(expected, inputs, b), dtype));
+        EXPECT_TRUE(matches_reference(candidate_outputs(out, inputs, b),
+                                      candidate_outputs(expected, inputs, b), dtype));
       }
     }
   }

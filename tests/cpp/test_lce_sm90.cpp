@@ -32,15 +32,10 @@ namespace {
 constexpr Device kCuda = Device::cuda(0);
 
 std::optional<std::string> sm90_unavailable_reason() {
-  if (auto reason = unavailable_reason(kCuda)) return reason;
 #ifdef IKBO_WITH_CUDA
-  if (!detail::cuda::lce_sm90_available(kCuda)) {
-    return "CUDA device 0 is not a compute capability 9.0 GPU, or this build carries no sm_90a "
-           "code: the Hopper LCE path cannot run here";
-  }
-  return std::nullopt;
+  return hopper_unavailable_reason(detail::cuda::lce_sm90_available, "LCE");
 #else
-  return "ikbo built without CUDA";
+  return hopper_unavailable_reason(nullptr, "LCE");
 #endif
 }
 
