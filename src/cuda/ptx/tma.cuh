@@ -164,7 +164,7 @@ __device__ __forceinline__ void fence_async_global() {
   ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_global);
 }
 
-// Orders this thread's earlier generic-proxy shared-memory writes before
+// Orders this thread's earlier generic-proxy shared-memory accesses before
 // later async-proxy (TMA, wgmma) accesses; a barrier must follow before
 // another thread issues the copy.
 __device__ __forceinline__ void fence_async_shared() {

@@ -104,6 +104,7 @@
 #include "cuda/ptx/cluster.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/sm80.cuh"
+#include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
 
@@ -395,7 +396,11 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
         Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
                                accumulators, consumer);
-        // The arrive's release semantics order the loads before it.
+        // The next write into this stage is a copy by the async proxy: order
+        // every lane's ordinary loads before it (proxy fence), and before its
+        // warp's arrival, made by lane 0 with release semantics (__syncwarp).
+        ptx::fence_async_shared();
+        __syncwarp();
         release(state.stage);
         state.advance();
       }
