@@ -121,7 +121,7 @@
 #include "cuda/sm90/pipeline.cuh"
 
 // For targets without wgmma the kernel compiles to a trap (see
-// attention_sm90_kernel), so their device passes never use the constants.
+// sm90::pipeline_kernel), so their device passes never use the constants.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #pragma nv_diag_suppress 177
 #endif
@@ -736,18 +736,6 @@ struct AttentionSm90Kernel {
   }
 };
 
-template <class Kernel>
-__global__ void __launch_bounds__(sm90::kPipelineThreads<Kernel>, 1)
-    attention_sm90_kernel(const __grid_constant__ AttentionSm90Params params) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  sm90::run_pipeline_kernel<Kernel>(params);
-#elif defined(__CUDA_ARCH__)
-  // Compiled for a target without wgmma; attention_sm90_available() keeps
-  // the host from launching it.
-  __trap();
-#endif
-}
-
 // ---- device support, probed once per device ----
 
 struct DeviceSupport {
@@ -755,13 +743,30 @@ struct DeviceSupport {
   int multiprocessors = 0;
 };
 
-// Calls fn(Kernel{}) for every instantiation.
+// Calls fn(Kernel{}) with the kernel of `schedule`.
+template <typename Element, int kHeadDim, typename Fn>
+void with_schedule(AttentionSm90Schedule schedule, Fn&& fn) {
+  switch (schedule) {
+    case AttentionSm90Schedule::ping_pong:
+      return fn(AttentionSm90Kernel<Element, kHeadDim, true, false>{});
+    case AttentionSm90Schedule::cooperative:
+      return fn(AttentionSm90Kernel<Element, kHeadDim, false, false>{});
+    case AttentionSm90Schedule::ping_pong_lookahead:
+      return fn(AttentionSm90Kernel<Element, kHeadDim, true, true>{});
+    case AttentionSm90Schedule::cooperative_lookahead:
+      return fn(AttentionSm90Kernel<Element, kHeadDim, false, true>{});
+  }
+  throw RuntimeError("attention_sm90: unknown schedule");
+}
+
+// Calls fn(Kernel{}) for every schedule's kernel.
 template <typename Element, int kHeadDim, typename Fn>
 void for_each_schedule(Fn&& fn) {
-  fn(AttentionSm90Kernel<Element, kHeadDim, true, false>{});
-  fn(AttentionSm90Kernel<Element, kHeadDim, false, false>{});
-  fn(AttentionSm90Kernel<Element, kHeadDim, true, true>{});
-  fn(AttentionSm90Kernel<Element, kHeadDim, false, true>{});
+  for (const AttentionSm90Schedule schedule :
+       {AttentionSm90Schedule::ping_pong, AttentionSm90Schedule::cooperative,
+        AttentionSm90Schedule::ping_pong_lookahead, AttentionSm90Schedule::cooperative_lookahead}) {
+    with_schedule<Element, kHeadDim>(schedule, fn);
+  }
 }
 
 template <typename Fn>
@@ -778,7 +783,7 @@ DeviceSupport probe_device(int ordinal) {
   bool available = true;
   for_each_kernel([&](auto kernel_traits) {
     using Kernel = decltype(kernel_traits);
-    available = available && sm90::prepare_kernel(attention_sm90_kernel<Kernel>,
+    available = available && sm90::prepare_kernel(sm90::pipeline_kernel<Kernel>,
                                                   sm90::kDynamicSharedBytes<Kernel>, device);
   });
   return {available, device.multiprocessors};
@@ -852,29 +857,17 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
 template <class Kernel>
 void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t stream) {
   const int grid = std::min(params.num_units, multiprocessors);
-  attention_sm90_kernel<Kernel>
+  sm90::pipeline_kernel<Kernel>
       <<<grid, sm90::kPipelineThreads<Kernel>, sm90::kDynamicSharedBytes<Kernel>, stream>>>(params);
-  check_launch("attention_sm90_kernel");
+  check_launch("attention_sm90 (pipeline_kernel)");
 }
 
 template <typename Element, int kHeadDim>
 void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
                      int multiprocessors, cudaStream_t stream) {
-  switch (schedule) {
-    case AttentionSm90Schedule::ping_pong:
-      return launch<AttentionSm90Kernel<Element, kHeadDim, true, false>>(params, multiprocessors,
-                                                                         stream);
-    case AttentionSm90Schedule::cooperative:
-      return launch<AttentionSm90Kernel<Element, kHeadDim, false, false>>(params, multiprocessors,
-                                                                          stream);
-    case AttentionSm90Schedule::ping_pong_lookahead:
-      return launch<AttentionSm90Kernel<Element, kHeadDim, true, true>>(params, multiprocessors,
-                                                                        stream);
-    case AttentionSm90Schedule::cooperative_lookahead:
-      return launch<AttentionSm90Kernel<Element, kHeadDim, false, true>>(params, multiprocessors,
-                                                                         stream);
-  }
-  throw RuntimeError("attention_sm90: unknown schedule");
+  with_schedule<Element, kHeadDim>(schedule, [&](auto kernel_traits) {
+    launch<decltype(kernel_traits)>(params, multiprocessors, stream);
+  });
 }
 
 template <typename Element>

@@ -37,7 +37,7 @@ inline HopperDevice query_device(int ordinal) {
 }
 
 // Whether this binary carries `kernel` for the current device with its body
-// (a kernel built on run_pipeline_kernel has static shared memory only in
+// (sm90::pipeline_kernel has static shared memory only in
 // its sm_90a body) and its shared memory fits; if so, raises its dynamic
 // shared memory limit to `dynamic_bytes`.
 template <typename Kernel>

@@ -93,7 +93,7 @@
 #include "cuda/sm90/pipeline.cuh"
 
 // For targets without wgmma the kernels compile to a trap (see
-// lce_sm90_kernel), so their device passes never reference the tile
+// sm90::pipeline_kernel), so their device passes never reference the tile
 // constants below.
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #pragma nv_diag_suppress 177
@@ -394,18 +394,6 @@ struct LceSm90Kernel {
   }
 };
 
-template <class Kernel>
-__global__ void __launch_bounds__(sm90::kPipelineThreads<Kernel>, 1)
-    lce_sm90_kernel(const __grid_constant__ LceSm90Params params) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  sm90::run_pipeline_kernel<Kernel>(params);
-#elif defined(__CUDA_ARCH__)
-  // Compiled for a target without wgmma; lce_sm90_available() keeps the
-  // host from launching it.
-  __trap();
-#endif
-}
-
 // ---- device support, probed once per device ----
 
 struct DeviceSupport {
@@ -438,14 +426,14 @@ int max_active_clusters(int multiprocessors) {
   const cudaLaunchConfig_t config =
       launch_config<Kernel>(multiprocessors / Kernel::kClusterSize, nullptr, cluster_shape);
   int clusters = 0;
-  IKBO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, lce_sm90_kernel<Kernel>, &config));
+  IKBO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, sm90::pipeline_kernel<Kernel>, &config));
   return clusters;
 }
 
 // The clusters of Kernel that fit on the device at once, 0 if it cannot run.
 template <class Kernel>
 int clusters_if_ready(const sm90::HopperDevice& device) {
-  if (!sm90::prepare_kernel(lce_sm90_kernel<Kernel>, sm90::kDynamicSharedBytes<Kernel>, device)) {
+  if (!sm90::prepare_kernel(sm90::pipeline_kernel<Kernel>, sm90::kDynamicSharedBytes<Kernel>, device)) {
     return 0;
   }
   return max_active_clusters<Kernel>(device.multiprocessors);
@@ -566,8 +554,8 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
     cudaLaunchAttribute cluster_shape{};
     const cudaLaunchConfig_t config =
         launch_config<Kernel>(std::min(num_units, max_clusters), stream, cluster_shape);
-    check_cuda(cudaLaunchKernelEx(&config, lce_sm90_kernel<Kernel>, params),
-               "cudaLaunchKernelEx(lce_sm90_kernel)");
+    check_cuda(cudaLaunchKernelEx(&config, sm90::pipeline_kernel<Kernel>, params),
+               "cudaLaunchKernelEx(lce_sm90 pipeline_kernel)");
   };
   if (schedule == LceSm90Schedule::one_launch) {
     launch(0, params.num_user_units + num_candidate_units);

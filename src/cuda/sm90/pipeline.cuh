@@ -410,20 +410,27 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   }
 }
 
-// The body of a __global__ kernel on the pipeline: the barriers in static
-// shared memory, the SharedStorage aligned in the dynamic shared memory
-// (kDynamicSharedBytes<Kernel> bytes at launch). Call it only where sm_90a
-// code is compiled: the static shared memory then exists only there, and
-// the host reads it back (cudaFuncGetAttributes) to know that the binary
-// carries the kernel (device_support.cuh).
+// The __global__ kernel of a Kernel on the pipeline, launched with
+// kPipelineThreads<Kernel> threads and kDynamicSharedBytes<Kernel> of
+// dynamic shared memory, one CTA per SM: the barriers in static shared
+// memory, the SharedStorage aligned in the dynamic shared memory. Compiled
+// for a target without wgmma it is a trap (the ops' *_available() keep the
+// host from launching it there); its static shared memory then exists only
+// in sm_90a code, which is how the host tells that the binary carries it
+// (device_support.cuh).
 template <class Kernel>
-__device__ __forceinline__ void run_pipeline_kernel(const typename Kernel::Params& params) {
+__global__ void __launch_bounds__(kPipelineThreads<Kernel>, 1)
+    pipeline_kernel(const __grid_constant__ typename Kernel::Params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ KernelBarriers<Kernel> barriers;
   extern __shared__ unsigned char dynamic_shared[];
   const std::uint32_t misalignment = ptx::shared_address(dynamic_shared) % kSharedAlignment;
   auto& shared = *reinterpret_cast<typename Kernel::SharedStorage*>(
       dynamic_shared + (misalignment == 0 ? 0 : kSharedAlignment - misalignment));
   run_pipeline<Kernel>(params, shared, barriers);
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
 }
 
 }  // namespace ikbo::detail::cuda::sm90
