@@ -90,28 +90,35 @@ __device__ __forceinline__ void fence_operands(std::uint32_t (&values)[kCount]) 
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(values[i])::"memory");
 }
 
+// Asm operand lists of 8, 32 and 64 fp32 accumulators d[i], d[i + 1], ...
 #define IKBO_WGMMA_ACCUMULATORS_8(d, i)                                                  \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define IKBO_WGMMA_ACCUMULATORS_32(d, i)                                                   \
+  IKBO_WGMMA_ACCUMULATORS_8(d, i), IKBO_WGMMA_ACCUMULATORS_8(d, i + 8),                   \
+      IKBO_WGMMA_ACCUMULATORS_8(d, i + 16), IKBO_WGMMA_ACCUMULATORS_8(d, i + 24)
+#define IKBO_WGMMA_ACCUMULATORS_64(d, i) \
+  IKBO_WGMMA_ACCUMULATORS_32(d, i), IKBO_WGMMA_ACCUMULATORS_32(d, i + 32)
+
+// The asm operand names %0 .. %31 / %63 of the accumulators.
+#define IKBO_WGMMA_REGS_32 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define IKBO_WGMMA_REGS_64                                                          \
+  IKBO_WGMMA_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+                     "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+                     "%56, %57, %58, %59, %60, %61, %62, %63"
 
 #define IKBO_WGMMA_M64N224K16(TYPE)                                                             \
   asm volatile(                                                                                 \
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %114, 0;\n"                           \
       "wgmma.mma_async.sync.aligned.m64n224k16.f32." TYPE "." TYPE "\n{"                        \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                  \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "        \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "        \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "        \
+      IKBO_WGMMA_REGS_64 ", "                                                                  \
       "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "        \
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "        \
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, " \
       "%111},\n%112, %113, accumulate, 1, 1, %115, %116;\n}\n"                                  \
-      : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),                       \
-        IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),                     \
-        IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),                     \
-        IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56),                     \
-        IKBO_WGMMA_ACCUMULATORS_8(d, 64), IKBO_WGMMA_ACCUMULATORS_8(d, 72),                     \
-        IKBO_WGMMA_ACCUMULATORS_8(d, 80), IKBO_WGMMA_ACCUMULATORS_8(d, 88),                     \
+      : IKBO_WGMMA_ACCUMULATORS_64(d, 0), IKBO_WGMMA_ACCUMULATORS_32(d, 64),                    \
         IKBO_WGMMA_ACCUMULATORS_8(d, 96), IKBO_WGMMA_ACCUMULATORS_8(d, 104)                     \
       : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
 
@@ -147,24 +154,12 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
 // values until the wgmma has retired (wgmma_wait), which fence_operands on
 // them after the wait guarantees. There is no transpose flag for A.
 
-#define IKBO_WGMMA_REGS_32 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define IKBO_WGMMA_REGS_64 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-
 #define IKBO_WGMMA_SS_N128(TYPE)                                                          \
   asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"             \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
                IKBO_WGMMA_REGS_64 "},\n"                                                  \
                "%64, %65, accumulate, 1, 1, %67, %68;\n}\n"                               \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),      \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),      \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)       \
+               : IKBO_WGMMA_ACCUMULATORS_64(d, 0)                                         \
                : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
 
 #define IKBO_WGMMA_SS_N64(TYPE)                                                           \
@@ -172,8 +167,7 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
                IKBO_WGMMA_REGS_32 "},\n"                                                  \
                "%32, %33, accumulate, 1, 1, %35, %36;\n}\n"                               \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)       \
+               : IKBO_WGMMA_ACCUMULATORS_32(d, 0)                                         \
                : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
 
 #define IKBO_WGMMA_RS_N128(TYPE)                                                          \
@@ -181,10 +175,7 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
                IKBO_WGMMA_REGS_64 "},\n"                                                  \
                "{%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n}\n"                   \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24),      \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 32), IKBO_WGMMA_ACCUMULATORS_8(d, 40),      \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 48), IKBO_WGMMA_ACCUMULATORS_8(d, 56)       \
+               : IKBO_WGMMA_ACCUMULATORS_64(d, 0)                                         \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
                  "n"(kTransposeB))
 
@@ -193,8 +184,7 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
                IKBO_WGMMA_REGS_32 "},\n"                                                  \
                "{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n"                   \
-               : IKBO_WGMMA_ACCUMULATORS_8(d, 0), IKBO_WGMMA_ACCUMULATORS_8(d, 8),        \
-                 IKBO_WGMMA_ACCUMULATORS_8(d, 16), IKBO_WGMMA_ACCUMULATORS_8(d, 24)       \
+               : IKBO_WGMMA_ACCUMULATORS_32(d, 0)                                         \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
                  "n"(kTransposeB))
 
@@ -247,6 +237,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const std::uint32_t
 #undef IKBO_WGMMA_SS_N128
 #undef IKBO_WGMMA_REGS_64
 #undef IKBO_WGMMA_REGS_32
+#undef IKBO_WGMMA_ACCUMULATORS_64
+#undef IKBO_WGMMA_ACCUMULATORS_32
 #undef IKBO_WGMMA_ACCUMULATORS_8
 
 }  // namespace ikbo::detail::cuda::ptx
