@@ -199,10 +199,8 @@ std::vector<Record> run_lce_suite(const BenchContext& context) {
                           {"Kc", dims.kc}},
                          lce_work(dims, batch, users, dtype));
     try {
-      const auto cand_to_user =
-          make_cand_to_user(candidate_counts(batch, users), options.sorted_map, kMapSeed);
       const CandidateMap map =
-          CandidateMap::build(cand_to_user.data(), batch, users, device, stream);
+          request_map(batch, users, options.sorted_map, kMapSeed, device, stream);
       const Tensor e_c_view(e_c.data(), dtype, {batch, dims.kc, dims.n}, device);
       const Tensor e_u_view(e_u.data(), dtype, {users, dims.ku, dims.n}, device);
       const Tensor out_view(out.data(), dtype, {batch, dims.m, dims.n}, device);

@@ -93,10 +93,8 @@ std::vector<Record> run_linear_suite(const BenchContext& context) {
                           {"Kc", dims.kc}},
                          linear_work(dims, batch, users, dtype));
     try {
-      const auto cand_to_user =
-          make_cand_to_user(candidate_counts(batch, users), options.sorted_map, kMapSeed);
       const CandidateMap map =
-          CandidateMap::build(cand_to_user.data(), batch, users, device, stream);
+          request_map(batch, users, options.sorted_map, kMapSeed, device, stream);
       const Tensor x_c_view(x_c.data(), dtype, {batch, dims.kc}, device);
       const Tensor x_u_view(x_u.data(), dtype, {users, dims.ku}, device);
       const Tensor out_view(out.data(), dtype, {batch, dims.out_features}, device);

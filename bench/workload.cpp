@@ -53,6 +53,13 @@ std::vector<std::int32_t> make_cand_to_user(std::span<const std::int32_t> user_c
   return cand_to_user;
 }
 
+CandidateMap request_map(std::int64_t num_candidates, std::int64_t num_users, bool sorted,
+                         std::uint64_t seed, Device device, Stream stream) {
+  const auto cand_to_user =
+      make_cand_to_user(candidate_counts(num_candidates, num_users), sorted, seed);
+  return CandidateMap::build(cand_to_user.data(), num_candidates, num_users, device, stream);
+}
+
 std::vector<std::int32_t> jagged_history_offsets(std::int64_t num_users, std::int64_t mean_length,
                                                  std::uint64_t seed) {
   Rng rng(seed);

@@ -14,6 +14,8 @@
 #include <span>
 #include <vector>
 
+#include "ikbo/candidate_map.hpp"
+
 namespace ikbo::bench {
 
 std::int64_t users_for_ratio(std::int64_t num_candidates, std::int64_t ratio);
@@ -25,6 +27,11 @@ std::vector<std::int32_t> candidate_counts(std::int64_t num_candidates, std::int
 // user 1's, ...; or that order shuffled when `sorted` is false.
 std::vector<std::int32_t> make_cand_to_user(std::span<const std::int32_t> user_counts, bool sorted,
                                             std::uint64_t seed);
+
+// The CandidateMap of a request of these sizes (candidate_counts, then
+// make_cand_to_user), built on `device`.
+CandidateMap request_map(std::int64_t num_candidates, std::int64_t num_users, bool sorted,
+                         std::uint64_t seed, Device device, Stream stream);
 
 // History offsets [U + 1] with lengths uniform in [S/2, 3S/2].
 std::vector<std::int32_t> jagged_history_offsets(std::int64_t num_users, std::int64_t mean_length,
