@@ -120,12 +120,6 @@
 #include "cuda/sm90/device_support.cuh"
 #include "cuda/sm90/pipeline.cuh"
 
-// For targets without wgmma the kernel compiles to a trap (see
-// sm90::pipeline_kernel), so their device passes never use the constants.
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#pragma nv_diag_suppress 177
-#endif
-
 namespace ikbo::detail::cuda {
 namespace {
 
