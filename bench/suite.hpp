@@ -42,7 +42,8 @@ inline constexpr std::array<std::string_view, 6> kLceVariants{
     kIkbo, kBroadcast, kBroadcastCopy, kDecomposed, kAligned, kFused};
 inline constexpr std::array<std::string_view, 3> kAttentionVariants{kIkbo, kBroadcast,
                                                                     kBroadcastCopy};
-inline constexpr std::array<std::string_view, 3> kLinearVariants{kIkbo, kBroadcast, kBroadcastCopy};
+inline constexpr std::array<std::string_view, 4> kLinearVariants{kIkbo, kBroadcast, kBroadcastCopy,
+                                                                  kDecomposed};
 
 struct BenchContext {
   const Options& options;

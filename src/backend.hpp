@@ -166,7 +166,12 @@ void lce_fused(const LceArgs& args);  // lce_fused_blocker must be nullopt
 LinearPlan::State prepare_linear_plan(const LinearWeights& weights, Device device, Stream stream);
 std::size_t linear_workspace_bytes(const LinearPlan::State& plan, std::int64_t num_candidates,
                                    std::int64_t num_users);
+// The Hopper kernel where it takes the call (sm90/linear_sm90.hpp), else
+// linear_decomposed.
 void linear(const LinearArgs& args);
+// The cuBLAS path on any GPU: user GEMM with the bias, candidate GEMM into
+// fp32 partials, combine kernel (also the benchmark's "decomposed" variant).
+void linear_decomposed(const LinearArgs& args);
 std::size_t linear_concat_workspace_bytes();  // cuBLASLt scratch
 void linear_concat(const LinearConcatArgs& args);
 void attention(const AttentionArgs& args);

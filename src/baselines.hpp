@@ -71,6 +71,14 @@ std::size_t linear_concat_workspace_bytes(const Tensor& weight);
 void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_full,
                    const Tensor& out, Stream stream = nullptr, Workspace workspace = {});
 
+// "decomposed": ikbo::linear's call (same arguments, same workspace) on the
+// three-step cuBLAS path whatever the GPU: the user GEMM with the bias at U
+// rows, the candidate GEMM at B rows into fp32 partials, and a kernel adding
+// the gathered user partial (one rounding). CUDA only.
+void linear_decomposed(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,
+                       const CandidateMap& map, const Tensor& out, Stream stream = nullptr,
+                       Workspace workspace = {});
+
 // The copy for attention: kv_full[b] = kv[cand_to_user[b]], dense [U, S, H, D] -> [B, S, H, D].
 // Attention on the copies is ikbo::attention with CandidateMap::identity(B).
 void replicate_kv(const Tensor& kv, const CandidateMap& map, const Tensor& kv_full,

@@ -241,6 +241,14 @@ void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_ful
                                .workspace_bytes = workspace.bytes});
 }
 
+void linear_decomposed(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,
+                       const CandidateMap& map, const Tensor& out, Stream stream,
+                       Workspace workspace) {
+  require_cuda(x_c, "linear_decomposed");
+  detail::cuda::linear_decomposed(
+      detail::check_linear_call(plan, x_c, x_u, map, out, stream, workspace));
+}
+
 void replicate_kv(const Tensor& kv, const CandidateMap& map, const Tensor& kv_full,
                   Stream stream) {
   const std::int64_t b = map.num_candidates();

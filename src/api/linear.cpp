@@ -111,24 +111,37 @@ std::size_t linear_workspace_bytes(const LinearPlan& plan, const Tensor& x_c, co
 
 void linear(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u, const CandidateMap& map,
             const Tensor& out, Stream stream, Workspace workspace) {
-  auto args = check_inputs(plan, x_c, x_u, map);
-  check_tensor(out, "out", plan.dtype(), plan.device(), 2);
-  detail::check_shape(out, "out", {args.num_candidates, plan.out_features()}, "[B, N_out]");
-  detail::check_no_overlap(out, "out", x_c, "x_c");
-  detail::check_no_overlap(out, "out", x_u, "x_u");
-  args.out = out.data;
-  args.stream = stream;
-  args.workspace = workspace.data;
-  args.workspace_bytes = workspace.bytes;
+  const detail::LinearArgs args =
+      detail::check_linear_call(plan, x_c, x_u, map, out, stream, workspace);
   if (args.num_candidates == 0) return;
   if (plan.device().is_cuda()) {
-    const std::size_t needed =
-        detail::cuda::linear_workspace_bytes(plan.state(), args.num_candidates, args.num_users);
-    detail::check_workspace(workspace, needed, "linear_workspace_bytes");
     detail::cuda::linear(args);
   } else {
     detail::cpu::linear(args);
   }
 }
 
+namespace detail {
+
+LinearArgs check_linear_call(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,
+                             const CandidateMap& map, const Tensor& out, Stream stream,
+                             Workspace workspace) {
+  auto args = check_inputs(plan, x_c, x_u, map);
+  check_tensor(out, "out", plan.dtype(), plan.device(), 2);
+  check_shape(out, "out", {args.num_candidates, plan.out_features()}, "[B, N_out]");
+  check_no_overlap(out, "out", x_c, "x_c");
+  check_no_overlap(out, "out", x_u, "x_u");
+  args.out = out.data;
+  args.stream = stream;
+  args.workspace = workspace.data;
+  args.workspace_bytes = workspace.bytes;
+  if (args.num_candidates > 0 && plan.device().is_cuda()) {
+    const std::size_t needed =
+        cuda::linear_workspace_bytes(plan.state(), args.num_candidates, args.num_users);
+    check_workspace(workspace, needed, "linear_workspace_bytes");
+  }
+  return args;
+}
+
+}  // namespace detail
 }  // namespace ikbo

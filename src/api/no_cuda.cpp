@@ -44,6 +44,7 @@ std::size_t linear_workspace_bytes(const LinearPlan::State&, std::int64_t, std::
   no_cuda("the plan");
 }
 void linear(const LinearArgs&) { no_cuda("x_c"); }
+void linear_decomposed(const LinearArgs&) { no_cuda("x_c"); }
 std::size_t linear_concat_workspace_bytes() { no_cuda("x_full"); }
 void linear_concat(const LinearConcatArgs&) { no_cuda("x_full"); }
 void attention(const AttentionArgs&) { no_cuda("q"); }

@@ -68,4 +68,11 @@ LceArgs check_lce_call(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u
                        const CandidateMap& map, const Tensor& out, Stream stream,
                        Workspace workspace);
 
+// Every check of ikbo::linear (workspace included, for a call with
+// candidates); returns the call's backend arguments. Defined in
+// src/api/linear.cpp; the "decomposed" baseline reuses it.
+LinearArgs check_linear_call(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,
+                             const CandidateMap& map, const Tensor& out, Stream stream,
+                             Workspace workspace);
+
 }  // namespace ikbo::detail

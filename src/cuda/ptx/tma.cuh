@@ -111,6 +111,15 @@ __device__ __forceinline__ void bulk_load(void* shared_destination, const void* 
                              shared_destination, source, bytes, barrier);
 }
 
+// Copies the box at (c0, c1) of a 2-D map into shared memory.
+__device__ __forceinline__ void tma_load(void* shared_destination, const CUtensorMap* map,
+                                         std::int32_t c0, std::int32_t c1,
+                                         std::uint64_t* barrier) {
+  const std::int32_t coordinates[2] = {c0, c1};
+  ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
+                                    shared_destination, map, coordinates, barrier);
+}
+
 // Copies the box at (c0, c1, c2) of a 3-D map into shared memory.
 __device__ __forceinline__ void tma_load(void* shared_destination, const CUtensorMap* map,
                                          std::int32_t c0, std::int32_t c1, std::int32_t c2,

@@ -394,49 +394,11 @@ struct DeviceSupport {
   int clusters = 0;  // clusters of the kernel that fit on the GPU at once
 };
 
-template <class Kernel>
-cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream,
-                                 cudaLaunchAttribute& cluster_shape) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(clusters * Kernel::kClusterSize));
-  config.blockDim = dim3(sm90::kPipelineThreads<Kernel>);
-  config.dynamicSmemBytes = sm90::kDynamicSharedBytes<Kernel>;
-  config.stream = stream;
-  cluster_shape.id = cudaLaunchAttributeClusterDimension;
-  cluster_shape.val.clusterDim.x = Kernel::kClusterSize;
-  cluster_shape.val.clusterDim.y = 1;
-  cluster_shape.val.clusterDim.z = 1;
-  config.attrs = &cluster_shape;
-  config.numAttrs = 1;
-  return config;
-}
-
-// How many of the kernel's clusters fit on the device at once (its dynamic
-// shared memory limit raised first: sm90::prepare_kernel).
-template <class Kernel>
-int max_active_clusters(int multiprocessors) {
-  cudaLaunchAttribute cluster_shape{};
-  const cudaLaunchConfig_t config =
-      launch_config<Kernel>(multiprocessors / Kernel::kClusterSize, nullptr, cluster_shape);
-  int clusters = 0;
-  IKBO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, sm90::pipeline_kernel<Kernel>, &config));
-  return clusters;
-}
-
-// The clusters of Kernel that fit on the device at once, 0 if it cannot run.
-template <class Kernel>
-int clusters_if_ready(const sm90::HopperDevice& device) {
-  if (!sm90::prepare_kernel(sm90::pipeline_kernel<Kernel>, sm90::kDynamicSharedBytes<Kernel>, device)) {
-    return 0;
-  }
-  return max_active_clusters<Kernel>(device.multiprocessors);
-}
-
 DeviceSupport probe_device(int ordinal) {
   const sm90::HopperDevice device = sm90::query_device(ordinal);
   if (!device.sm90) return {};
-  const int clusters = std::min(clusters_if_ready<LceSm90Kernel<__half>>(device),
-                                clusters_if_ready<LceSm90Kernel<__nv_bfloat16>>(device));
+  const int clusters = std::min(sm90::clusters_if_ready<LceSm90Kernel<__half>>(device),
+                                sm90::clusters_if_ready<LceSm90Kernel<__nv_bfloat16>>(device));
   return {clusters > 0, clusters};
 }
 
@@ -546,7 +508,7 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
     params.num_units = num_units;
     cudaLaunchAttribute cluster_shape{};
     const cudaLaunchConfig_t config =
-        launch_config<Kernel>(std::min(num_units, max_clusters), stream, cluster_shape);
+        sm90::launch_config<Kernel>(std::min(num_units, max_clusters), stream, cluster_shape);
     check_cuda(cudaLaunchKernelEx(&config, sm90::pipeline_kernel<Kernel>, params),
                "cudaLaunchKernelEx(lce_sm90 pipeline_kernel)");
   };

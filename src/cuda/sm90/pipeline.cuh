@@ -40,7 +40,8 @@
 //   load(params, unit, rank, k_step, stage, full)  one producer thread:
 //     issue the TMA copies of a k-step, completing on barrier `full`;
 //   num_register_steps(params, unit)  how many of the unit's last k-steps
-//     are register steps, at most kMaxRegisterSteps (0 for a plain GEMM);
+//     are register steps, at most kMaxRegisterSteps (neither hook is
+//     needed when kMaxRegisterSteps is 0: a plain GEMM);
 //   load_registers(params, unit, rank, stage, step, accumulators,
 //     consumer)  one consumer warpgroup, register step `step` (0, 1, ...),
 //     after every wgmma of the unit retired: read the stage into registers
@@ -51,8 +52,9 @@
 //     its wgmmas and commit them as one group;
 //   finish(params, unit, rank, accumulators, shared, consumer)  one
 //     consumer warpgroup, every wgmma of the unit retired: the epilogue;
-//   drain(shared, consumer)  one consumer warpgroup after its last unit
-//     (e.g. wait until its TMA stores have read their shared source).
+//   drain(shared, consumer)  optional: one consumer warpgroup after its
+//     last unit (e.g. wait until its TMA stores have read their shared
+//     source).
 // and launches run_pipeline<Kernel> with kPipelineThreads<Kernel> threads
 // per CTA, one CTA per SM.
 //
@@ -107,6 +109,7 @@
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/device_support.cuh"
 
 // For targets without wgmma pipeline_kernel (below) is a trap, so the
 // device passes of a file that defines a pipeline kernel never reference its
@@ -174,6 +177,12 @@ __device__ __forceinline__ auto describe_unit(const typename Kernel::Params& par
   } else {
     return unit;
   }
+}
+
+template <class Kernel>
+__device__ __forceinline__ void drain_consumer(typename Kernel::SharedStorage& shared,
+                                               int consumer) {
+  if constexpr (requires { Kernel::drain(shared, consumer); }) Kernel::drain(shared, consumer);
 }
 
 // Hands stage `stage` back to the producers: one arrival per consumer warp
@@ -372,14 +381,17 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     UnitSlots<kUnitStages> slots{barriers.unit_full, barriers.unit_empty, {}, {}};
     const UnitWalk walk{first_unit, unit_step, num_units};
     Kernel::consume(params, rank, walk, slots, steps, shared, consumer);
-    Kernel::drain(shared, consumer);
+    drain_consumer<Kernel>(shared, consumer);
   } else {
     const auto release = [&](int stage) { release_stage<kClusterSize>(barriers.empty, stage); };
     PipelineState<kStages> state;
     typename Kernel::Accumulators accumulators{};
     for (int unit = first_unit; unit < num_units; unit += unit_step) {
       const int k_steps = Kernel::num_k_steps(params, unit);
-      const int register_steps = Kernel::num_register_steps(params, unit);
+      int register_steps = 0;
+      if constexpr (Kernel::kMaxRegisterSteps > 0) {
+        register_steps = Kernel::num_register_steps(params, unit);
+      }
       int previous_stage = -1;
       for (int k_step = 0; k_step < k_steps - register_steps; ++k_step) {
         ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
@@ -397,23 +409,26 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
       // Register steps come last, once no wgmma is in flight: ptxas
       // serializes every wgmma of a kernel in which ordinary instructions
       // may write accumulators under a running wgmma.
+      if constexpr (Kernel::kMaxRegisterSteps > 0) {
 #pragma unroll
-      for (int step = 0; step < Kernel::kMaxRegisterSteps; ++step) {
-        if (step >= register_steps) break;
-        ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
-        Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
-                               accumulators, consumer);
-        // The next write into this stage is a copy by the async proxy: order
-        // every lane's ordinary loads before it (proxy fence), and before its
-        // warp's arrival, made by lane 0 with release semantics (__syncwarp).
-        ptx::fence_async_shared();
-        __syncwarp();
-        release(state.stage);
-        state.advance();
+        for (int step = 0; step < Kernel::kMaxRegisterSteps; ++step) {
+          if (step >= register_steps) break;
+          ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
+          Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
+                                 accumulators, consumer);
+          // The next write into this stage is a copy by the async proxy:
+          // order every lane's ordinary loads before it (proxy fence), and
+          // before its warp's arrival, made by lane 0 with release semantics
+          // (__syncwarp).
+          ptx::fence_async_shared();
+          __syncwarp();
+          release(state.stage);
+          state.advance();
+        }
       }
       Kernel::finish(params, unit, rank, accumulators, shared, consumer);
     }
-    Kernel::drain(shared, consumer);
+    drain_consumer<Kernel>(shared, consumer);
   }
 }
 
@@ -438,6 +453,50 @@ __global__ void __launch_bounds__(kPipelineThreads<Kernel>, 1)
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
+}
+
+// ---- host: launching a pipeline kernel ----
+
+// The launch of `clusters` clusters of Kernel (kClusterSize CTAs along x,
+// kPipelineThreads threads and kDynamicSharedBytes each) on `stream`;
+// `cluster_shape` is the attribute the config points to.
+template <class Kernel>
+cudaLaunchConfig_t launch_config(int clusters, cudaStream_t stream,
+                                 cudaLaunchAttribute& cluster_shape) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(clusters * Kernel::kClusterSize));
+  config.blockDim = dim3(kPipelineThreads<Kernel>);
+  config.dynamicSmemBytes = kDynamicSharedBytes<Kernel>;
+  config.stream = stream;
+  cluster_shape.id = cudaLaunchAttributeClusterDimension;
+  cluster_shape.val.clusterDim.x = Kernel::kClusterSize;
+  cluster_shape.val.clusterDim.y = 1;
+  cluster_shape.val.clusterDim.z = 1;
+  config.attrs = &cluster_shape;
+  config.numAttrs = 1;
+  return config;
+}
+
+// How many of the kernel's clusters fit on the device at once (its dynamic
+// shared memory limit raised first: prepare_kernel).
+template <class Kernel>
+int max_active_clusters(int multiprocessors) {
+  cudaLaunchAttribute cluster_shape{};
+  const cudaLaunchConfig_t config =
+      launch_config<Kernel>(multiprocessors / Kernel::kClusterSize, nullptr, cluster_shape);
+  int clusters = 0;
+  IKBO_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, pipeline_kernel<Kernel>, &config));
+  return clusters;
+}
+
+// The clusters of Kernel that fit on the device at once, 0 if this binary
+// or the device cannot run it.
+template <class Kernel>
+int clusters_if_ready(const HopperDevice& device) {
+  if (!prepare_kernel(pipeline_kernel<Kernel>, kDynamicSharedBytes<Kernel>, device)) {
+    return 0;
+  }
+  return max_active_clusters<Kernel>(device.multiprocessors);
 }
 
 }  // namespace ikbo::detail::cuda::sm90
