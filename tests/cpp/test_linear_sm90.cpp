@@ -1,19 +1,20 @@
 // The Hopper linear path (src/cuda/sm90/linear_sm90.cu) on CUDA device 0,
 // in f16 and bf16, against the fp64 reference: B = 433 with Kc = 872 (a
-// partial last k-step), Kc = 8 (one partial k-step), the model's Kc = 3976,
-// N_out not a multiple of the 128-wide tile and odd (single-element
+// partial last k-step), Kc = Ku = 8 (one partial k-step), the model's
+// Kc = 3976, N_out not a multiple of the tile and odd (single-element
 // stores), U = 1, U = B, users without candidates, unsorted maps, with and
-// without bias; each with the tile the shapes pick and forced to every tile
-// the kernel is built for (64 or 128 candidates x 64 or 128 outputs);
-// outputs poisoned before every run, repeated runs bitwise identical. Also: an Inf
-// in the next candidate's row never reaches out; Kc = 866 and Kc = 1 (rows
-// not 16-byte multiples) and an x_c at an 8-byte offset fall back to cuBLAS
-// with correct results; a rejected call writes nothing; the workspace size
-// does not depend on the path. Stream ordering and CUDA graph capture of
-// linear are tested in test_linear.cpp (LinearOnCuda), whose shape takes the
-// cuBLAS path; LinearSm90Test.CapturesIntoACudaGraph covers this path.
-// Every test skips, with the reason, unless device 0 is an sm_90 GPU and
-// the build carries sm_90a code.
+// without bias, more tiles than the grid has clusters; each with the tile
+// the shapes pick and forced to every tile the kernel is built for (64 or
+// 128 candidates x 64 or 128 outputs); outputs poisoned before every run,
+// repeated runs bitwise identical. Also: an Inf in the next candidate's
+// row never reaches out; Kc = 866, Kc = 1 and Ku = 17 (rows not 16-byte
+// multiples) and an x_c at an 8-byte offset fall back to cuBLAS with
+// correct results; the "decomposed" baseline runs the cuBLAS path; a
+// rejected call writes nothing; the workspace size does not depend on the
+// path; the Hopper path captures into a CUDA graph. Stream ordering of
+// linear is tested in test_linear.cpp (LinearOnCuda). Every test skips,
+// with the reason, unless device 0 is an sm_90 GPU and the build carries
+// sm_90a code.
 #include <algorithm>
 #include <limits>
 #include <optional>
@@ -141,6 +142,19 @@ struct LinearProblem {
   std::vector<std::byte> run() const { return run(x_c_device->view()); }
 };
 
+// The tile linear() runs this problem with, as "rows x features".
+std::string sm90_tile(const LinearProblem& problem) {
+#ifdef IKBO_WITH_CUDA
+  const auto tile = detail::cuda::linear_sm90_tile(problem.plan->state(),
+                                                   problem.shape.num_candidates,
+                                                   problem.shape.num_users);
+  return std::to_string(tile.rows) + " x " + std::to_string(tile.features);
+#else
+  static_cast<void>(problem);
+  return "none";
+#endif
+}
+
 LinearProblem random_problem(SeededRng& rng, DType dtype, const Shape& shape, MapOrder order,
                              bool bias) {
   LinearProblem problem;
@@ -176,10 +190,10 @@ void PrintTo(const Sm90Case& value, std::ostream* stream) { *stream << value.nam
 const std::vector<Sm90Case>& sm90_cases() {
   static const std::vector<Sm90Case> cases = {
       {"b433_kc872_empty_users", {200, 40, 872, 433, 7}, MapOrder::uneven_unsorted, true},
-      {"user_per_candidate_no_bias", {130, 17, 256, 300, 300}, MapOrder::unsorted, false},
+      {"user_per_candidate_no_bias", {130, 24, 256, 300, 300}, MapOrder::unsorted, false},
       {"one_user", {64, 8, 512, 129, 1}, MapOrder::sorted, true},
-      {"odd_n_out", {77, 5, 576, 70, 9}, MapOrder::uneven, true},
-      {"kc8", {256, 3, 8, 200, 13}, MapOrder::uneven_unsorted, true},
+      {"odd_n_out", {77, 16, 576, 70, 9}, MapOrder::uneven, true},
+      {"kc8", {256, 8, 8, 200, 13}, MapOrder::uneven_unsorted, true},
       {"model_widths", {512, 256, 3976, 256, 4}, MapOrder::unsorted, true},
       // More tiles than SMs at every tile size: the persistent grid wraps.
       {"many_units", {512, 32, 256, 3000, 40}, MapOrder::uneven_unsorted, true},
@@ -210,7 +224,7 @@ TEST_P(LinearSm90VsReference, EveryTileMatchesFp64ReferenceAndRepeatsBitwise) {
   for (int forced = -1; forced < static_cast<int>(tiles.size()); ++forced) {
     const Sm90Settings settings(true, forced);
     SCOPED_TRACE(testing::Message()
-                 << "tile " << (forced < 0 ? "chosen from the shapes" : tiles[forced]));
+                 << "tile " << (forced < 0 ? "chosen from the shapes: " : "") << sm90_tile(problem));
     const std::vector<std::byte> first = problem.run();
     EXPECT_TRUE(matches_reference(decode(first, dtype()), expected, dtype()));
     EXPECT_TRUE(problem.run() == first) << "two runs on identical inputs differ";
@@ -256,12 +270,14 @@ TEST_F(LinearSm90Test, InfInTheNextCandidateNeverReachesOut) {
   }
 }
 
-// Kc = 866 and Kc = 1 make x_c's rows no multiple of 16 bytes (TMA cannot
-// read them in place): linear falls back to cuBLAS, with correct results.
+// Kc = 866, Kc = 1 and Ku = 17 make rows of x_c or x_u no multiple of 16
+// bytes (TMA cannot read them in place): linear falls back to cuBLAS, with
+// correct results.
 TEST_F(LinearSm90Test, ShapesItDoesNotTakeFallBackToCublas) {
   SeededRng rng;
-  for (const Shape& shape : {Shape{512, 256, 866, 433, 7}, Shape{96, 12, 1, 50, 5}}) {
-    SCOPED_TRACE(testing::Message() << "Kc = " << shape.kc);
+  for (const Shape& shape :
+       {Shape{512, 256, 866, 433, 7}, Shape{96, 16, 1, 50, 5}, Shape{130, 17, 256, 300, 30}}) {
+    SCOPED_TRACE(testing::Message() << "Ku = " << shape.ku << ", Kc = " << shape.kc);
     const LinearProblem problem = random_problem(rng, DType::bf16, shape, MapOrder::unsorted, true);
     EXPECT_FALSE(sm90_takes(*problem.plan, shape.num_candidates));
     EXPECT_TRUE(matches_reference(decode(problem.run(), DType::bf16), problem.expected(),

@@ -34,16 +34,17 @@
 // Dispatch: on a Hopper GPU (sm_90a code in the binary) linear goes to
 // sm90/linear_sm90.cu whenever linear_sm90_eligible() accepts the call (f16
 // or bf16, Kc a multiple of 8, x_c 16-byte aligned; the rule is written out
-// in linear_sm90.hpp): step 1 runs here without the bias, then one Hopper
-// kernel runs the candidate GEMM and adds the user partial and the bias in
-// its epilogue. Every other call, and every call with IKBO_DISABLE_SM90=1,
+// in linear_sm90.hpp): one Hopper launch computes the user partials, then
+// runs the candidate GEMM and adds the user partial and the bias in its
+// epilogue. Every other call, and every call with IKBO_DISABLE_SM90=1,
 // runs the steps above (linear_decomposed, also the benchmark's
 // "decomposed" variant).
 //
 // Workspace (each region 256-byte aligned; the API checks the caller's
 // pointer is too): [user partials U*N_out fp32][candidate partials
-// chunk*N_out fp32][cuBLAS scratch]. The Hopper path uses the first and the
-// last region, so linear_workspace_bytes serves both paths.
+// chunk*N_out fp32][cuBLAS scratch]. The Hopper path keeps its user
+// partials in the first region and its counter at the start of the second,
+// so linear_workspace_bytes serves both paths.
 #include <algorithm>
 #include <cstdint>
 
@@ -291,17 +292,10 @@ void linear(const LinearArgs& args) {
     linear_decomposed(args);
     return;
   }
-  const LinearPlan::State& plan = *args.plan;
-  const WorkspaceLayout layout = workspace_layout(plan, args.num_candidates, args.num_users);
-  DeviceGuard guard(plan.device.index);
-  const cudaStream_t stream = to_cuda_stream(args.stream);
+  const WorkspaceLayout layout = workspace_layout(*args.plan, args.num_candidates, args.num_users);
   auto* workspace = static_cast<char*>(args.workspace);
-  CublasLease blas(plan.device, stream, workspace + layout.cublas_offset, kCublasWorkspaceBytes);
-  // The user partials without the bias: the Hopper epilogue adds it.
-  auto* user_partials = reinterpret_cast<float*>(workspace);
-  gemm_weight_transposed(blas.handle(), plan.dtype, args.num_users, plan.out_features, plan.ku,
-                         args.x_u, plan.w_u, plan.ld_u, user_partials, false);
-  linear_sm90(args, user_partials);
+  linear_sm90(args, {reinterpret_cast<float*>(workspace),
+                     reinterpret_cast<int*>(workspace + layout.candidate_offset)});
 }
 
 }  // namespace ikbo::detail::cuda

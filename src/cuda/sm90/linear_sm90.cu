@@ -4,10 +4,23 @@
 //
 //   out[b] = round(x_c[b] @ w_c^T + (P[cand_to_user[b]] + bias))
 //
-// P = x_u @ w_u^T [U, N_out] in fp32 is computed once per user before the
-// launch (a cuBLAS GEMM of U rows, portable/linear_cublas.cu); the epilogue
-// adds the row of P its candidate maps to and the bias to the fp32
-// accumulators and rounds once. No candidate partial goes to memory.
+// One persistent launch on the caller's stream runs two kinds of work units:
+//   user units       P = x_u @ w_u^T [U, N_out] in fp32 into the workspace,
+//                    once per user, a tile at a time (the same GEMM with
+//                    x_u and w_u as operands), each stored tile counted on
+//                    one ready counter;
+//   candidate units  out[b] = round(x_c[b] @ w_c^T + (P[u(b)] + bias)): the
+//                    main loop, then the epilogue waits until every user
+//                    tile is counted, adds the row of P its candidate maps
+//                    to and the bias to the fp32 accumulators and rounds
+//                    once. No candidate partial goes to memory.
+// User units come first in the walk and are short (Ku / 64 k-steps), so
+// every P tile is stored long before a candidate unit's 63-step main loop
+// ends, and a unit only ever waits for units earlier in the walk, which
+// their clusters take before any later one: no deadlock at any grid size.
+// (The counter is zeroed by a memset before the launch.) Computing P in the
+// launch instead of a cuBLAS GEMM before it saves that GEMM's ~4.7 us of
+// mostly fixed latency (H100, U = 15, Ku = 256, N_out = 512).
 //
 // Tile = kRows candidates x kFeatures outputs (linear_sm90_tiles()), one
 // consumer warpgroup per 64 candidates; per k-step of 64:
@@ -62,6 +75,7 @@
 
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
+#include "cuda/ptx/flags.cuh"
 #include "cuda/ptx/sm80.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
@@ -89,15 +103,22 @@ constexpr std::array<LinearSm90Tile, 4> kTiles{
     {{64, 64}, {64, 128}, {128, 64}, {128, 128}}};
 
 struct LinearSm90Params {
-  CUtensorMap candidates;  // x_c {Kc, B}, boxes {64 k, 64 rows}
-  CUtensorMap weights;     // w_c {Kc, N_out}, rows ld_c apart, boxes {64 k, kFeatures rows}
-  const float* user_partials;  // P [U, N_out], fp32
-  const void* bias;            // [N_out] in the element type, or null
+  // Rows {K, rows} in boxes {64 k, 32 rows} (each CTA of a cluster loads
+  // half of a consumer's 64 rows): x_c [B, Kc] and x_u [U, Ku].
+  CUtensorMap candidates, users;
+  // {K, N_out}, rows ld apart, boxes {64 k, kFeatures rows}: w_c, w_u.
+  CUtensorMap candidate_weights, user_weights;
+  float* user_partials;  // P [U, N_out], fp32
+  int* users_done;       // consumer warpgroups that stored their part of a P tile
+  const void* bias;      // [N_out] in the element type, or null
   const std::int32_t* cand_to_user;
   void* out;  // [B, N_out]
-  int num_candidates, out_features;
-  int feature_pairs, num_units;  // units = candidate blocks x feature block pairs
-  int k_steps;
+  int num_candidates, num_users, out_features;
+  int feature_pairs;
+  // Units: user units (user blocks x feature block pairs), then candidate
+  // units (candidate blocks x feature block pairs).
+  int num_user_units, num_units;
+  int user_k_steps, candidate_k_steps;
   bool paired_stores;  // N_out even and out 4-byte aligned: two features per store
 };
 
@@ -132,29 +153,41 @@ struct LinearSm90Kernel {
                 "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
 
   __device__ static int num_units(const Params& params) { return params.num_units; }
-  __device__ static int num_k_steps(const Params& params, int) { return params.k_steps; }
+  __device__ static bool is_user_unit(const Params& params, int unit) {
+    return unit < params.num_user_units;
+  }
+  __device__ static int num_k_steps(const Params& params, int unit) {
+    return is_user_unit(params, unit) ? params.user_k_steps : params.candidate_k_steps;
+  }
+  // The unit's index among the units of its kind.
+  __device__ static int tile_of(const Params& params, int unit) {
+    return is_user_unit(params, unit) ? unit : unit - params.num_user_units;
+  }
   // Out-of-bounds parts of a box are zero-filled and still counted.
   __device__ static std::uint32_t stage_bytes(const Params&, int, int) { return sizeof(Stage); }
 
+  // First row (of x_c or x_u) of the unit's tile.
   __device__ static int first_row(const Params& params, int unit) {
-    return unit / params.feature_pairs * kRows;
+    return tile_of(params, unit) / params.feature_pairs * kRows;
   }
   // The CTA of rank r takes feature block 2 * pair + r.
   __device__ static int first_feature(const Params& params, int unit, int rank) {
-    return (unit % params.feature_pairs * kClusterSize + rank) * kFeatures;
+    return (tile_of(params, unit) % params.feature_pairs * kClusterSize + rank) * kFeatures;
   }
 
   __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
                               std::uint64_t* full) {
+    const bool user = is_user_unit(params, unit);
+    const CUtensorMap* rows = user ? &params.users : &params.candidates;
+    const CUtensorMap* weights = user ? &params.user_weights : &params.candidate_weights;
     const int k0 = k_step * kBlockK;
     const int row0 = first_row(params, unit) + rank * kSharedRows;
 #pragma unroll
     for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
-      ptx::tma_load_multicast(stage.candidates[consumer] + rank * kSharedRows * kBlockK,
-                              &params.candidates, k0, row0 + consumer * kWarpgroupRows, full,
-                              (1u << kClusterSize) - 1);
+      ptx::tma_load_multicast(stage.candidates[consumer] + rank * kSharedRows * kBlockK, rows, k0,
+                              row0 + consumer * kWarpgroupRows, full, (1u << kClusterSize) - 1);
     }
-    ptx::tma_load(stage.weights, &params.weights, k0, first_feature(params, unit, rank), full);
+    ptx::tma_load(stage.weights, weights, k0, first_feature(params, unit, rank), full);
   }
 
   __device__ static void compute(const Params&, int, int, const Stage& stage, int k_step,
@@ -187,13 +220,44 @@ struct LinearSm90Kernel {
                                 Accumulators& accumulators, SharedStorage&, int consumer) {
     ptx::fence_operands(accumulators.values);
     const int first = first_feature(params, unit, rank);
-    if (first >= params.out_features) return;  // the padding block of an odd count
+    // The padding block of an odd count of feature blocks stores nothing
+    // (but a user unit's still counts as done).
+    const bool padding = first >= params.out_features;
     const float* acc = accumulators.values;
     const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
     const int warp = thread / 32, lane = thread % 32;
     const int row0 = first_row(params, unit) + consumer * kWarpgroupRows + 16 * warp + lane / 4;
     const int feature0 = first + 2 * (lane % 4);
     const int n = params.out_features;
+    const std::uint32_t barrier_id = 1 + consumer;
+
+    if (is_user_unit(params, unit)) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + 8 * half;
+        if (padding || row >= params.num_users) continue;
+        float* partial_row = params.user_partials + static_cast<std::int64_t>(row) * n;
+#pragma unroll
+        for (int j = 0; j < kColumnGroups; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int feature = feature0 + 8 * j + e;
+            if (feature < n) partial_row[feature] = acc[4 * j + 2 * half + e];
+          }
+        }
+      }
+      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+      if (thread == 0) ptx::signal_ready(params.users_done);
+      return;
+    }
+    if (padding) return;
+    // Every P tile stored (user units come first in the walk, so this
+    // returns at once but at the very start of a launch).
+    if (thread == 0) {
+      ptx::wait_ready(params.users_done,
+                      params.num_user_units * kClusterSize * kConsumerWarpgroups);
+    }
+    ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
     const auto* bias = static_cast<const Element*>(params.bias);
     auto* out = static_cast<Element*>(params.out);
 
@@ -210,7 +274,8 @@ struct LinearSm90Kernel {
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + 8 * half;
       if (row >= params.num_candidates) continue;
-      const float* __restrict__ partial =
+      // P was written in this launch: loads that bypass L1 (flags.cuh).
+      const float* partial =
           params.user_partials +
           static_cast<std::int64_t>(__ldg(params.cand_to_user + row)) * n;
       Element* out_row = out + static_cast<std::int64_t>(row) * n;
@@ -220,7 +285,7 @@ struct LinearSm90Kernel {
 #pragma unroll
         for (int j = 0; j < kColumnGroups; ++j) {
           const int feature = feature0 + 8 * j;
-          addend[j] = feature < n ? __ldg(reinterpret_cast<const float2*>(partial + feature))
+          addend[j] = feature < n ? __ldcg(reinterpret_cast<const float2*>(partial + feature))
                                   : make_float2(0.0f, 0.0f);
         }
 #pragma unroll
@@ -240,7 +305,7 @@ struct LinearSm90Kernel {
             const int feature = feature0 + 8 * j + e;
             if (feature >= n) continue;
             const float user_part =
-                __ldg(partial + feature) + (e == 0 ? bias_pair[j].x : bias_pair[j].y);
+                __ldcg(partial + feature) + (e == 0 ? bias_pair[j].x : bias_pair[j].y);
             out_row[feature] = from_float<Element>(acc[4 * j + 2 * half + e] + user_part);
           }
         }
@@ -308,25 +373,58 @@ std::atomic<int>& forced_tile() {
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-std::int64_t num_units(std::int64_t num_candidates, std::int64_t out_features,
-                       const LinearSm90Tile& tile) {
-  return ceil_div(num_candidates, tile.rows) * ceil_div(out_features, 2 * tile.features);
+// Tiles of `rows` rows (candidates or users) and all features, in units of
+// a cluster (two feature blocks).
+std::int64_t num_units(std::int64_t rows, std::int64_t out_features, const LinearSm90Tile& tile) {
+  return ceil_div(rows, tile.rows) * ceil_div(out_features, 2 * tile.features);
 }
 
-// The tile that minimizes (rounds of clusters over the GPU) x (operand bytes
-// one CTA streams per k-step, proportional to rows + features); ties go to
-// the smaller tile.
-int tile_index(std::int64_t num_candidates, std::int64_t out_features, int clusters) {
+// Predicted main-loop time of a tile on these shapes (seconds, without the
+// fixed costs every tile shares). The k-steps are bound either by the bytes
+// one CTA takes in (its whole tile: rows + features rows of 128 bytes) at
+// ~90 GB/s per SM, or by the bytes all running CTAs read from L2 (half the
+// rows, multicast, + features) at ~5.2 TB/s, whichever is slower; fitted to
+// H100 measurements of the four tiles at B = 512..3072, N_out = 512,
+// Kc = 3976 (bench/notes/linear_sm90.md). The cluster with the most k-steps
+// (the static walk: cluster c takes units c, c + clusters, ...) sets the
+// time.
+double predicted_seconds(const LinearSm90Tile& tile, std::int64_t num_candidates,
+                         std::int64_t num_users, std::int64_t out_features, std::int64_t kc,
+                         std::int64_t ku, int clusters) {
+  constexpr double kCtaBytesPerSecond = 90e9, kL2BytesPerSecond = 5.2e12;
+  const std::int64_t user_units = num_units(num_users, out_features, tile);
+  const std::int64_t units = user_units + num_units(num_candidates, out_features, tile);
+  const std::int64_t user_steps = ceil_div(ku, kBlockK), candidate_steps = ceil_div(kc, kBlockK);
+  std::int64_t max_steps = 0;
+  for (std::int64_t cluster = 0; cluster < std::min<std::int64_t>(clusters, units); ++cluster) {
+    // Units cluster, cluster + clusters, ...: how many are user units.
+    const std::int64_t taken = ceil_div(units - cluster, clusters);
+    const std::int64_t users_taken =
+        cluster < user_units ? ceil_div(user_units - cluster, clusters) : 0;
+    max_steps = std::max(max_steps,
+                         users_taken * user_steps + (taken - users_taken) * candidate_steps);
+  }
+  const double row_bytes = kBlockK * kElementBytes;
+  const double cta_bytes = (tile.rows + tile.features) * row_bytes;
+  const double running_ctas = 2.0 * static_cast<double>(std::min<std::int64_t>(units, clusters));
+  const double l2_bytes = running_ctas * (tile.rows / 2 + tile.features) * row_bytes;
+  return static_cast<double>(max_steps) *
+         std::max(cta_bytes / kCtaBytesPerSecond, l2_bytes / kL2BytesPerSecond);
+}
+
+// The tile predicted fastest; ties go to the smaller tile.
+int tile_index(const LinearPlan::State& plan, std::int64_t num_candidates,
+               std::int64_t num_users, int clusters) {
   if (const int forced = forced_tile().load(); forced >= 0) return forced;
   int best = 0;
-  std::int64_t best_cost = std::numeric_limits<std::int64_t>::max();
+  double best_seconds = std::numeric_limits<double>::max();
   for (int index = 0; index < static_cast<int>(kTiles.size()); ++index) {
-    const LinearSm90Tile tile = kTiles[static_cast<std::size_t>(index)];
-    const std::int64_t cost = ceil_div(num_units(num_candidates, out_features, tile), clusters) *
-                              (tile.rows + tile.features);
-    if (cost < best_cost) {
+    const double seconds =
+        predicted_seconds(kTiles[static_cast<std::size_t>(index)], num_candidates, num_users,
+                          plan.out_features, plan.kc, plan.ku, clusters);
+    if (seconds < best_seconds) {
       best = index;
-      best_cost = cost;
+      best_seconds = seconds;
     }
   }
   return best;
@@ -353,27 +451,38 @@ CUtensorMap k_major_map(const void* base, std::int64_t k, std::int64_t ld, std::
 }
 
 template <typename Element, int kRows, int kFeatures>
-void run_linear_sm90(const LinearArgs& args, const float* user_partials, int max_clusters,
-                     cudaStream_t stream) {
+void run_linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace,
+                     int max_clusters, cudaStream_t stream) {
   using Kernel = KernelFor<Element, kRows, kFeatures>;
   const LinearPlan::State& plan = *args.plan;
+  const LinearSm90Tile tile{kRows, kFeatures};
   LinearSm90Params params{};
   params.candidates = k_major_map<Element>(args.x_c, plan.kc, plan.kc, args.num_candidates,
                                            Kernel::kSharedRows);
-  params.weights = k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.out_features, kFeatures);
-  params.user_partials = user_partials;
+  params.users =
+      k_major_map<Element>(args.x_u, plan.ku, plan.ku, args.num_users, Kernel::kSharedRows);
+  params.candidate_weights =
+      k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.out_features, kFeatures);
+  params.user_weights =
+      k_major_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.out_features, kFeatures);
+  params.user_partials = workspace.user_partials;
+  params.users_done = workspace.users_done;
   params.bias = plan.bias;
   params.cand_to_user = args.map->device_view.cand_to_user;
   params.out = args.out;
   params.num_candidates = static_cast<int>(args.num_candidates);
+  params.num_users = static_cast<int>(args.num_users);
   params.out_features = static_cast<int>(plan.out_features);
   params.feature_pairs = static_cast<int>(ceil_div(plan.out_features, 2 * kFeatures));
-  params.num_units = static_cast<int>(
-      num_units(args.num_candidates, plan.out_features, {kRows, kFeatures}));
-  params.k_steps = static_cast<int>(ceil_div(plan.kc, kBlockK));
+  params.num_user_units = static_cast<int>(num_units(args.num_users, plan.out_features, tile));
+  params.num_units = params.num_user_units + static_cast<int>(num_units(
+                                                 args.num_candidates, plan.out_features, tile));
+  params.user_k_steps = static_cast<int>(ceil_div(plan.ku, kBlockK));
+  params.candidate_k_steps = static_cast<int>(ceil_div(plan.kc, kBlockK));
   params.paired_stores = plan.out_features % 2 == 0 &&
                          reinterpret_cast<std::uintptr_t>(args.out) % (2 * kElementBytes) == 0;
 
+  IKBO_CUDA_CHECK(cudaMemsetAsync(params.users_done, 0, sizeof(int), stream));
   cudaLaunchAttribute cluster_shape{};
   const cudaLaunchConfig_t config =
       sm90::launch_config<Kernel>(std::min(params.num_units, max_clusters), stream, cluster_shape);
@@ -392,43 +501,46 @@ bool linear_sm90_available(Device device) {
 bool linear_sm90_supported(const LinearPlan::State& plan, std::int64_t num_candidates) {
   constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   if (plan.dtype != DType::f16 && plan.dtype != DType::bf16) return false;
-  if (plan.kc % 8 != 0 || plan.kc > kInt32Max || plan.out_features > kInt32Max) return false;
-  // Unit indices (candidate blocks x feature block pairs) stay within int32.
-  if (num_units(num_candidates, plan.out_features, kTiles.front()) > kInt32Max) {
+  if (plan.kc % 8 != 0 || plan.ku % 8 != 0 || plan.kc > kInt32Max || plan.ku > kInt32Max ||
+      plan.out_features > kInt32Max) {
     return false;
   }
+  // Unit indices stay within int32 (users: at most one per candidate).
+  if (2 * num_units(num_candidates, plan.out_features, kTiles.front()) > kInt32Max) return false;
   return linear_sm90_available(plan.device);
 }
 
 bool linear_sm90_eligible(const LinearArgs& args) {
-  return linear_sm90_enabled() && aligned_16(args.x_c) && args.workspace != nullptr &&
+  return linear_sm90_enabled() && aligned_16(args.x_c) && aligned_16(args.x_u) &&
+         args.workspace != nullptr &&
          linear_sm90_supported(*args.plan, args.num_candidates);
 }
 
 std::span<const LinearSm90Tile> linear_sm90_tiles() { return kTiles; }
 
-LinearSm90Tile linear_sm90_tile(const LinearPlan::State& plan, std::int64_t num_candidates) {
+LinearSm90Tile linear_sm90_tile(const LinearPlan::State& plan, std::int64_t num_candidates,
+                                std::int64_t num_users) {
   const int clusters = std::max(device_support(plan.device.index).clusters, 1);
-  return kTiles[static_cast<std::size_t>(tile_index(num_candidates, plan.out_features, clusters))];
+  return kTiles[static_cast<std::size_t>(tile_index(plan, num_candidates, num_users, clusters))];
 }
 
 void set_linear_sm90_forced_tile(int index) {
   forced_tile().store(index >= 0 && index < static_cast<int>(kTiles.size()) ? index : -1);
 }
 
-void linear_sm90(const LinearArgs& args, const float* user_partials) {
+void linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace) {
   const LinearPlan::State& plan = *args.plan;
   DeviceGuard guard(plan.device.index);
   const int clusters = device_support(plan.device.index).clusters;
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  const int index = tile_index(args.num_candidates, plan.out_features, clusters);
+  const int index = tile_index(plan, args.num_candidates, args.num_users, clusters);
   dispatch_float_dtype(plan.dtype, [&](auto element) {
     using Element = decltype(element);
     if constexpr (std::is_same_v<Element, float>) {
       throw RuntimeError("linear_sm90: no Hopper kernel for float32 (linear_sm90_eligible is false)");
     } else {
       with_tile(index, [&](auto rows, auto features) {
-        run_linear_sm90<Element, rows, features>(args, user_partials, clusters, stream);
+        run_linear_sm90<Element, rows, features>(args, workspace, clusters, stream);
       });
     }
   });

@@ -8,15 +8,15 @@
 //   - the plan's device is compute capability 9.0 and the binary carries the
 //     sm_90a kernels (linear_sm90_available);
 //   - dtype f16 or bf16 (f32 stays on cuBLAS);
-//   - Kc a multiple of 8 and x_c 16-byte aligned (x_c is read in place by
-//     TMA, whose row strides must be multiples of 16 bytes);
+//   - Kc and Ku multiples of 8, x_c and x_u 16-byte aligned (both are read
+//     in place by TMA, whose row strides must be multiples of 16 bytes);
 //   - B, N_out and Kc within the kernel's int32 coordinates;
 //   - the path is enabled (IKBO_DISABLE_SM90 unset or "0");
 //   - a workspace of linear_workspace_bytes (always the case through the API).
 // Every other call runs the cuBLAS path (linear_decomposed: user GEMM,
 // candidate GEMM, combine). linear_workspace_bytes is that path's size,
-// which covers this path's needs (the user partials and the user GEMM's
-// cuBLAS scratch) too. Plain C++ so that tests can include it.
+// which covers this path's needs (the user partials and a counter) too.
+// Plain C++ so that tests can include it.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +34,8 @@ bool linear_sm90_available(Device device);
 // (see the dispatch rule above).
 bool linear_sm90_supported(const LinearPlan::State& plan, std::int64_t num_candidates);
 
-// linear_sm90_supported, the path is enabled, x_c is 16-byte aligned and a
-// workspace is there.
+// linear_sm90_supported, the path is enabled, x_c and x_u are 16-byte
+// aligned and a workspace is there.
 bool linear_sm90_eligible(const LinearArgs& args);
 
 // The output tile one CTA computes: `rows` candidates x `features` outputs.
@@ -46,17 +46,23 @@ struct LinearSm90Tile {
 std::span<const LinearSm90Tile> linear_sm90_tiles();
 // The tile linear() uses on these shapes: chosen from the shapes unless
 // forced (below).
-LinearSm90Tile linear_sm90_tile(const LinearPlan::State& plan, std::int64_t num_candidates);
+LinearSm90Tile linear_sm90_tile(const LinearPlan::State& plan, std::int64_t num_candidates,
+                                std::int64_t num_users);
 // Tests and measurements: force tile linear_sm90_tiles()[index], or -1 for
 // the shape-based choice (the default, unless the environment sets
 // IKBO_LINEAR_SM90_TILE to an index).
 void set_linear_sm90_forced_tile(int index);
 
-// The candidate GEMM with the epilogue
-//   out[b] = round(x_c[b] @ w_c^T + (user_partials[cand_to_user[b]] + bias))
-// on args.stream; `user_partials` [U, N_out] fp32 (x_u @ w_u^T, no bias)
-// must be ready on that stream. `args` must be eligible.
-void linear_sm90(const LinearArgs& args, const float* user_partials);
+// Scratch of one call, in the caller's workspace.
+struct LinearSm90Workspace {
+  float* user_partials = nullptr;  // [U, N_out] fp32, 16-byte aligned
+  int* users_done = nullptr;       // one counter
+};
+
+// linear on args.stream in one launch: the user partials
+// P = x_u @ w_u^T, then out[b] = round(x_c[b] @ w_c^T + (P[u(b)] + bias)).
+// `args` must be eligible.
+void linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace);
 
 // The path is enabled unless the environment has IKBO_DISABLE_SM90 set to
 // anything but "" or "0" (read once). Tests switch it to compare with the
