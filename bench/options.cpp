@@ -23,10 +23,11 @@ B on the given K, then a gather-add of the user result), "aligned" (the same
 with K zero-padded to a multiple of 8 beforehand) and "fused" (Hopper GPUs:
 the user GEMM in its own launch, then the candidate GEMM adding it in its
 epilogue). Linear (N_out = 512 over Ku = 256 user and Kc = 3976 candidate
-features, the example model's first MLP layer) times only the broadcast
-baselines, on CUDA only (one cuBLASLt matmul, as F.linear runs it):
-ikbo::linear is itself the decomposed form (user GEMM, candidate GEMM,
-combine kernel).
+features, the example model's first MLP layer) times the broadcast
+baselines (one cuBLASLt matmul, as F.linear runs it) and "decomposed" (the
+library's cuBLAS path: user GEMM, candidate GEMM, combine kernel), on CUDA
+only; on Hopper GPUs ikbo is one launch adding the user part in the
+candidate GEMM's epilogue.
 
   --device cpu|cuda[:N]  default: cuda if a GPU is visible, else cpu
   --dtype f16|bf16|f32   default: f16 on a GPU, f32 on the CPU
