@@ -18,12 +18,15 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda/ptx>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/check.cuh"
 #include "ikbo/error.hpp"
@@ -68,6 +71,12 @@ inline std::string driver_error_name(CUresult status) {
 }
 
 }  // namespace driver_api
+
+// The tensor-map element type of a 16-bit floating Element.
+template <typename Element>
+constexpr CUtensorMapDataType kTensorMapType =
+    std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 
 // Zero fill outside the tensor (FLOAT_OOB_FILL_NONE), no interleave, and
 // L2 fetches of 256 bytes (rows of the tiles used here are 128 bytes).

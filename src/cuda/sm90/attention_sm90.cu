@@ -818,11 +818,6 @@ std::int64_t unit_count(const AttentionArgs& args) {
   return args.heads * (args.num_candidates * args.n_seed / kBlockM + args.num_users);
 }
 
-template <typename Element>
-constexpr CUtensorMapDataType kTensorMapType =
-    std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-
 // K or V in boxes of 64 d x 1 head x 128 keys (x 1 user).
 template <typename Element>
 CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
@@ -845,7 +840,8 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
     layout.strides_bytes[2] = layout.strides_bytes[1] * static_cast<cuuint64_t>(args.dense_seq_len);
     layout.box[3] = 1;
   }
-  return ptx::make_tensor_map(kTensorMapType<Element>, base, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+  return ptx::make_tensor_map(ptx::kTensorMapType<Element>, base, layout,
+                              CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 template <class Kernel>

@@ -435,11 +435,6 @@ WorkspaceLayout workspace_layout(const TileGrid& grid, std::int64_t num_users) {
   return {tiles * static_cast<std::size_t>(kTileElements) * sizeof(float), tiles * sizeof(int)};
 }
 
-template <typename Element>
-constexpr CUtensorMapDataType kTensorMapType =
-    std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-
 // A dense [batch, rows, N] tensor (e: rows = K; out: rows = M) in boxes of
 // 64 n x box_rows rows of one batch item.
 template <typename Element>
@@ -455,7 +450,8 @@ CUtensorMap batched_map(const void* base, std::int64_t n, std::int64_t rows, std
   layout.box[0] = kWarpgroupBlockN;
   layout.box[1] = static_cast<cuuint32_t>(box_rows);
   layout.box[2] = 1;
-  return ptx::make_tensor_map(kTensorMapType<Element>, base, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+  return ptx::make_tensor_map(ptx::kTensorMapType<Element>, base, layout,
+                              CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // w [M, K], rows `ld` elements apart, in boxes of 64 k x 112 m.
@@ -468,7 +464,8 @@ CUtensorMap weight_map(const void* w, std::int64_t k, std::int64_t ld, std::int6
   layout.strides_bytes[0] = static_cast<cuuint64_t>(ld * kElementBytes);
   layout.box[0] = kBlockK;
   layout.box[1] = LceSm90Kernel<Element>::kWeightRowsPerCta;
-  return ptx::make_tensor_map(kTensorMapType<Element>, w, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+  return ptx::make_tensor_map(ptx::kTensorMapType<Element>, w, layout,
+                              CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 template <typename Element>

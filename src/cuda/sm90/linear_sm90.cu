@@ -32,6 +32,7 @@
 //   B = w_c[n0:n0+kFeatures, k0:k0+64] from the plan's padded copy:
 //       K-major, 128-byte swizzle; rows n >= N_out arrive as zeros.
 // Each consumer warpgroup runs m64n{kFeatures}k16 over its 64 candidates.
+// User units run the same tiles on x_u [U, Ku] and w_u.
 //
 // Clusters of two. The two CTAs of a cluster take neighbouring feature
 // blocks of the same candidate block, so they need the same rows of x_c:
@@ -51,8 +52,9 @@
 // shapes (linear_sm90_tile).
 //
 // Epilogue: straight from registers. Each thread holds, per 8-wide column
-// group j, two adjacent features of two rows; it loads P[user] (and the
-// bias) for all of them first (independent read-only loads), then adds,
+// group j, two adjacent features of two rows; it loads P[user] (from L2:
+// P was written in this launch) and the bias for all of them first
+// (independent loads), then adds,
 // rounds and stores pairs (4 bytes) where N_out is even and out 4-byte
 // aligned, single elements otherwise. out is small next to the operands
 // (N_out / Kc of x_c's bytes here), so staging it for TMA stores would buy
@@ -69,9 +71,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
-#include <string_view>
 #include <type_traits>
-#include <utility>
 
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
@@ -139,7 +139,7 @@ struct LinearSm90Kernel {
     float values[kAccumulators];
   };
   struct Stage {
-    Element candidates[kConsumerWarpgroups][kWarpgroupRows * kBlockK];  // [row][k] each
+    Element rows[kConsumerWarpgroups][kWarpgroupRows * kBlockK];  // x_c or x_u, [row][k] each
     Element weights[kFeatures * kBlockK];                                // [n][k]
   };
   static constexpr int kStages = kRingBytes / static_cast<int>(sizeof(Stage));
@@ -147,8 +147,8 @@ struct LinearSm90Kernel {
     Stage stages[kStages];
   };
   static_assert(kSharedRows * kBlockK * kElementBytes % kSharedAlignment == 0 &&
-                    sizeof(Stage::candidates[0]) % kSharedAlignment == 0 &&
-                    sizeof(Stage::candidates) % kSharedAlignment == 0 &&
+                    sizeof(Stage::rows[0]) % kSharedAlignment == 0 &&
+                    sizeof(Stage::rows) % kSharedAlignment == 0 &&
                     sizeof(Stage) % kSharedAlignment == 0,
                 "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
 
@@ -178,16 +178,16 @@ struct LinearSm90Kernel {
   __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
                               std::uint64_t* full) {
     const bool user = is_user_unit(params, unit);
-    const CUtensorMap* rows = user ? &params.users : &params.candidates;
-    const CUtensorMap* weights = user ? &params.user_weights : &params.candidate_weights;
+    const CUtensorMap* row_map = user ? &params.users : &params.candidates;
+    const CUtensorMap* weight_map = user ? &params.user_weights : &params.candidate_weights;
     const int k0 = k_step * kBlockK;
     const int row0 = first_row(params, unit) + rank * kSharedRows;
 #pragma unroll
     for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
-      ptx::tma_load_multicast(stage.candidates[consumer] + rank * kSharedRows * kBlockK, rows, k0,
+      ptx::tma_load_multicast(stage.rows[consumer] + rank * kSharedRows * kBlockK, row_map, k0,
                               row0 + consumer * kWarpgroupRows, full, (1u << kClusterSize) - 1);
     }
-    ptx::tma_load(stage.weights, weights, k0, first_feature(params, unit, rank), full);
+    ptx::tma_load(stage.weights, weight_map, k0, first_feature(params, unit, rank), full);
   }
 
   __device__ static void compute(const Params&, int, int, const Stage& stage, int k_step,
@@ -195,8 +195,7 @@ struct LinearSm90Kernel {
     // Both operands K-major: rows of 128 bytes, 8-row swizzle atoms 1024
     // bytes apart (the stride offset; the leading offset is unused).
     constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;
-    const std::uint64_t a =
-        ptx::wgmma_descriptor_sw128(stage.candidates[consumer], 16, kAtomBytes);
+    const std::uint64_t a = ptx::wgmma_descriptor_sw128(stage.rows[consumer], 16, kAtomBytes);
     const std::uint64_t b = ptx::wgmma_descriptor_sw128(stage.weights, 16, kAtomBytes);
     ptx::fence_operands(accumulators.values);
     ptx::wgmma_fence();
@@ -342,9 +341,10 @@ DeviceSupport probe_device(int ordinal) {
   int clusters = std::numeric_limits<int>::max();
   for (int index = 0; index < static_cast<int>(kTiles.size()); ++index) {
     with_tile(index, [&](auto rows, auto features) {
-      clusters = std::min({clusters,
-                           sm90::clusters_if_ready<KernelFor<__half, rows, features>>(device),
-                           sm90::clusters_if_ready<KernelFor<__nv_bfloat16, rows, features>>(device)});
+      using Half = KernelFor<__half, rows, features>;
+      using Bfloat16 = KernelFor<__nv_bfloat16, rows, features>;
+      clusters = std::min({clusters, sm90::clusters_if_ready<Half>(device),
+                           sm90::clusters_if_ready<Bfloat16>(device)});
     });
   }
   return {clusters > 0, clusters};
@@ -430,11 +430,6 @@ int tile_index(const LinearPlan::State& plan, std::int64_t num_candidates,
   return best;
 }
 
-template <typename Element>
-constexpr CUtensorMapDataType kTensorMapType =
-    std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-
 // A row-major [rows, k] matrix, rows `ld` elements apart, in boxes of 64 k x
 // box_rows rows.
 template <typename Element>
@@ -447,7 +442,8 @@ CUtensorMap k_major_map(const void* base, std::int64_t k, std::int64_t ld, std::
   layout.strides_bytes[0] = static_cast<cuuint64_t>(ld * kElementBytes);
   layout.box[0] = kBlockK;
   layout.box[1] = static_cast<cuuint32_t>(box_rows);
-  return ptx::make_tensor_map(kTensorMapType<Element>, base, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+  return ptx::make_tensor_map(ptx::kTensorMapType<Element>, base, layout,
+                              CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 template <typename Element, int kRows, int kFeatures>
@@ -537,7 +533,8 @@ void linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace) {
   dispatch_float_dtype(plan.dtype, [&](auto element) {
     using Element = decltype(element);
     if constexpr (std::is_same_v<Element, float>) {
-      throw RuntimeError("linear_sm90: no Hopper kernel for float32 (linear_sm90_eligible is false)");
+      throw RuntimeError(
+          "linear_sm90: no Hopper kernel for float32 (linear_sm90_eligible is false)");
     } else {
       with_tile(index, [&](auto rows, auto features) {
         run_linear_sm90<Element, rows, features>(args, workspace, clusters, stream);
