@@ -33,8 +33,8 @@
 //
 // Dispatch: on a Hopper GPU (sm_90a code in the binary) linear goes to
 // sm90/linear_sm90.cu whenever linear_sm90_eligible() accepts the call (f16
-// or bf16, Kc a multiple of 8, x_c 16-byte aligned; the rule is written out
-// in linear_sm90.hpp): one Hopper launch computes the user partials, then
+// or bf16, Kc and Ku multiples of 8, x_c and x_u 16-byte aligned; the rule
+// is written out in linear_sm90.hpp): one Hopper launch computes the user partials, then
 // runs the candidate GEMM and adds the user partial and the bias in its
 // epilogue. Every other call, and every call with IKBO_DISABLE_SM90=1,
 // runs the steps above (linear_decomposed, also the benchmark's
