@@ -129,15 +129,23 @@ struct LinearProblem {
     return out;
   }
 
-  // linear into a poisoned output; its bytes.
-  std::vector<std::byte> run(const Tensor& x_c_view) const {
+  // call(x_c, out, workspace), a call with linear's arguments, into a
+  // poisoned output with a workspace of linear_workspace_bytes; out's bytes.
+  template <typename Call>
+  std::vector<std::byte> run_call(const Tensor& x_c_view, Call&& call) const {
     const auto out = DeviceTensor::poisoned(kCuda, plan->dtype(),
                                             {shape.num_candidates, shape.out_features});
     const DeviceBuffer workspace(
         kCuda, linear_workspace_bytes(*plan, x_c_view, x_u_device->view(), *map));
-    linear(*plan, x_c_view, x_u_device->view(), *map, out.view(), nullptr,
-           {workspace.data(), workspace.bytes()});
+    call(x_c_view, out.view(), Workspace{workspace.data(), workspace.bytes()});
     return out.bytes();
+  }
+
+  // linear on the default stream; out's bytes.
+  std::vector<std::byte> run(const Tensor& x_c_view) const {
+    return run_call(x_c_view, [&](const Tensor& x_c, const Tensor& out, Workspace workspace) {
+      linear(*plan, x_c, x_u_device->view(), *map, out, nullptr, workspace);
+    });
   }
   std::vector<std::byte> run() const { return run(x_c_device->view()); }
 };
@@ -345,12 +353,12 @@ TEST_F(LinearSm90Test, DecomposedBaselineRunsTheCublasPath) {
     const Sm90Settings off(false, -1);
     cublas = problem.run();
   }
-  const auto out = DeviceTensor::poisoned(kCuda, dtype, {shape.num_candidates, shape.out_features});
-  const Tensor x_c = problem.x_c_device->view(), x_u = problem.x_u_device->view();
-  const DeviceBuffer workspace(kCuda, linear_workspace_bytes(*problem.plan, x_c, x_u, *problem.map));
-  baseline::linear_decomposed(*problem.plan, x_c, x_u, *problem.map, out.view(), nullptr,
-                              {workspace.data(), workspace.bytes()});
-  EXPECT_TRUE(out.bytes() == cublas) << "linear_decomposed differs from linear's cuBLAS path";
+  const std::vector<std::byte> decomposed = problem.run_call(
+      problem.x_c_device->view(), [&](const Tensor& x_c, const Tensor& out, Workspace workspace) {
+        baseline::linear_decomposed(*problem.plan, x_c, problem.x_u_device->view(),
+                                    *problem.map, out, nullptr, workspace);
+      });
+  EXPECT_TRUE(decomposed == cublas) << "linear_decomposed differs from linear's cuBLAS path";
   EXPECT_TRUE(matches_reference(decode(cublas, dtype), problem.expected(), dtype));
 }
 
@@ -374,9 +382,9 @@ TEST_F(LinearSm90Test, WorkspaceSizeDoesNotDependOnThePath) {
   EXPECT_EQ(enabled_bytes, disabled_bytes);
 }
 
-// The Hopper path (user GEMM, then the kernel) on a created stream inside a
-// CUDA graph capture: it allocates and synchronizes nothing, and the replay
-// matches the eager run bitwise.
+// The Hopper path (a memset of its counter, then the kernel) on a created
+// stream inside a CUDA graph capture: it allocates and synchronizes
+// nothing, and the replay matches the eager run bitwise.
 TEST_F(LinearSm90Test, CapturesIntoACudaGraph) {
   SeededRng rng;
   const DType dtype = DType::bf16;
@@ -384,15 +392,15 @@ TEST_F(LinearSm90Test, CapturesIntoACudaGraph) {
   const LinearProblem problem = random_problem(rng, dtype, shape, MapOrder::unsorted, true);
   ASSERT_TRUE(sm90_takes(*problem.plan, shape.num_candidates));
   const std::vector<std::byte> eager = problem.run();
-  const auto out = DeviceTensor::poisoned(kCuda, dtype, {shape.num_candidates, shape.out_features});
-  const Tensor x_c = problem.x_c_device->view(), x_u = problem.x_u_device->view();
-  const DeviceBuffer workspace(kCuda, linear_workspace_bytes(*problem.plan, x_c, x_u, *problem.map));
   const TestStream stream(kCuda);
-  run_as_cuda_graph(stream, [&] {
-    linear(*problem.plan, x_c, x_u, *problem.map, out.view(), stream.handle(),
-           {workspace.data(), workspace.bytes()});
-  });
-  EXPECT_TRUE(out.bytes() == eager) << "the graph replay differs from the eager run";
+  const std::vector<std::byte> replayed = problem.run_call(
+      problem.x_c_device->view(), [&](const Tensor& x_c, const Tensor& out, Workspace workspace) {
+        run_as_cuda_graph(stream, [&] {
+          linear(*problem.plan, x_c, problem.x_u_device->view(), *problem.map, out,
+                 stream.handle(), workspace);
+        });
+      });
+  EXPECT_TRUE(replayed == eager) << "the graph replay differs from the eager run";
 }
 
 }  // namespace

@@ -787,10 +787,7 @@ DeviceSupport device_support(int ordinal) {
   return sm90::probed_once<DeviceSupport, probe_device>(ordinal);
 }
 
-std::atomic<bool>& enabled_switch() {
-  static std::atomic<bool> enabled{sm90::sm90_enabled_by_environment()};
-  return enabled;
-}
+struct PathSwitch;  // tags this path's sm90::enabled_switch
 
 std::atomic<AttentionSm90Schedule>& schedule_switch() {
   static std::atomic<AttentionSm90Schedule> schedule{[] {
@@ -929,9 +926,11 @@ void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule) {
   });
 }
 
-bool attention_sm90_enabled() { return enabled_switch().load(); }
+bool attention_sm90_enabled() { return sm90::enabled_switch<PathSwitch>().load(); }
 
-void set_attention_sm90_enabled(bool enabled) { enabled_switch().store(enabled); }
+void set_attention_sm90_enabled(bool enabled) {
+  sm90::enabled_switch<PathSwitch>().store(enabled);
+}
 
 AttentionSm90Schedule attention_sm90_schedule() { return schedule_switch().load(); }
 

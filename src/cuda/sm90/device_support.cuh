@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <mutex>
@@ -75,10 +76,19 @@ Support probed_once(int ordinal) {
 }
 
 // The Hopper paths are enabled unless the environment has IKBO_DISABLE_SM90
-// set to anything but "" or "0" (read once per path, at its first query).
+// set to anything but "" or "0".
 inline bool sm90_enabled_by_environment() {
   const char* value = std::getenv("IKBO_DISABLE_SM90");
   return value == nullptr || std::string_view(value).empty() || std::string_view(value) == "0";
+}
+
+// The on/off switch of one Hopper path (Path: a type of that path's own, so
+// that each path has its switch), set from the environment at its first
+// use; tests turn it to compare with the portable path.
+template <class Path>
+std::atomic<bool>& enabled_switch() {
+  static std::atomic<bool> enabled{sm90_enabled_by_environment()};
+  return enabled;
 }
 
 }  // namespace ikbo::detail::cuda::sm90

@@ -74,7 +74,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -389,10 +388,7 @@ struct LceSm90Kernel {
 
 // ---- device support, probed once per device ----
 
-struct DeviceSupport {
-  bool available = false;
-  int clusters = 0;  // clusters of the kernel that fit on the GPU at once
-};
+using DeviceSupport = sm90::ClusterSupport;
 
 DeviceSupport probe_device(int ordinal) {
   const sm90::HopperDevice device = sm90::query_device(ordinal);
@@ -406,10 +402,7 @@ DeviceSupport device_support(int ordinal) {
   return sm90::probed_once<DeviceSupport, probe_device>(ordinal);
 }
 
-std::atomic<bool>& enabled_switch() {
-  static std::atomic<bool> enabled{sm90::sm90_enabled_by_environment()};
-  return enabled;
-}
+struct PathSwitch;  // tags this path's sm90::enabled_switch
 
 // ---- launch ----
 
@@ -595,8 +588,8 @@ void lce_fused(const LceArgs& args) {
   lce_sm90(args, LceSm90Schedule::user_launch_first);
 }
 
-bool lce_sm90_enabled() { return enabled_switch().load(); }
+bool lce_sm90_enabled() { return sm90::enabled_switch<PathSwitch>().load(); }
 
-void set_lce_sm90_enabled(bool enabled) { enabled_switch().store(enabled); }
+void set_lce_sm90_enabled(bool enabled) { sm90::enabled_switch<PathSwitch>().store(enabled); }
 
 }  // namespace ikbo::detail::cuda

@@ -330,10 +330,7 @@ void with_tile(int index, Fn&& fn) {
 
 // ---- device support, probed once per device ----
 
-struct DeviceSupport {
-  bool available = false;
-  int clusters = 0;  // clusters of every tile's kernel that fit on the GPU at once
-};
+using DeviceSupport = sm90::ClusterSupport;
 
 DeviceSupport probe_device(int ordinal) {
   const sm90::HopperDevice device = sm90::query_device(ordinal);
@@ -354,10 +351,7 @@ DeviceSupport device_support(int ordinal) {
   return sm90::probed_once<DeviceSupport, probe_device>(ordinal);
 }
 
-std::atomic<bool>& enabled_switch() {
-  static std::atomic<bool> enabled{sm90::sm90_enabled_by_environment()};
-  return enabled;
-}
+struct PathSwitch;  // tags this path's sm90::enabled_switch
 
 int forced_tile_from_environment() {
   const char* value = std::getenv("IKBO_LINEAR_SM90_TILE");
@@ -543,8 +537,8 @@ void linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace) {
   });
 }
 
-bool linear_sm90_enabled() { return enabled_switch().load(); }
+bool linear_sm90_enabled() { return sm90::enabled_switch<PathSwitch>().load(); }
 
-void set_linear_sm90_enabled(bool enabled) { enabled_switch().store(enabled); }
+void set_linear_sm90_enabled(bool enabled) { sm90::enabled_switch<PathSwitch>().store(enabled); }
 
 }  // namespace ikbo::detail::cuda

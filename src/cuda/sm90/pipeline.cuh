@@ -457,6 +457,14 @@ __global__ void __launch_bounds__(kPipelineThreads<Kernel>, 1)
 
 // ---- host: launching a pipeline kernel ----
 
+// What a path of clustered pipeline kernels knows of a device: whether all
+// its kernels run there, and how many clusters of each fit on it at once
+// (the least over its kernels).
+struct ClusterSupport {
+  bool available = false;
+  int clusters = 0;
+};
+
 // The launch of `clusters` clusters of Kernel (kClusterSize CTAs along x,
 // kPipelineThreads threads and kDynamicSharedBytes each) on `stream`;
 // `cluster_shape` is the attribute the config points to.
