@@ -98,6 +98,23 @@ inline CUtensorMap make_tensor_map(CUtensorMapDataType element_type, const void*
   return map;
 }
 
+// A row-major [rows, k] matrix of a 16-bit Element (the K-major operand
+// of a GEMM), rows `ld` elements apart, in 128-byte-swizzled boxes of 64 k
+// (one swizzle row) x box_rows rows.
+template <typename Element>
+CUtensorMap k_major_map(const void* base, std::int64_t k, std::int64_t ld, std::int64_t rows,
+                        int box_rows) {
+  static_assert(sizeof(Element) == 2, "boxes of 64 k are 128-byte rows of 16-bit elements");
+  TensorMapLayout layout;
+  layout.rank = 2;
+  layout.dims[0] = static_cast<cuuint64_t>(k);
+  layout.dims[1] = static_cast<cuuint64_t>(rows);
+  layout.strides_bytes[0] = static_cast<cuuint64_t>(ld) * sizeof(Element);
+  layout.box[0] = 64;
+  layout.box[1] = static_cast<cuuint32_t>(box_rows);
+  return make_tensor_map(kTensorMapType<Element>, base, layout, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
 // ---- device ----
 
 // Copies the box at (c0, c1) of a 2-D map to the same shared-memory offset

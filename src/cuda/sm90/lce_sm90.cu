@@ -447,20 +447,6 @@ CUtensorMap batched_map(const void* base, std::int64_t n, std::int64_t rows, std
                               CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// w [M, K], rows `ld` elements apart, in boxes of 64 k x 112 m.
-template <typename Element>
-CUtensorMap weight_map(const void* w, std::int64_t k, std::int64_t ld, std::int64_t m) {
-  ptx::TensorMapLayout layout;
-  layout.rank = 2;
-  layout.dims[0] = static_cast<cuuint64_t>(k);
-  layout.dims[1] = static_cast<cuuint64_t>(m);
-  layout.strides_bytes[0] = static_cast<cuuint64_t>(ld * kElementBytes);
-  layout.box[0] = kBlockK;
-  layout.box[1] = LceSm90Kernel<Element>::kWeightRowsPerCta;
-  return ptx::make_tensor_map(ptx::kTensorMapType<Element>, w, layout,
-                              CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
 template <typename Element>
 void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_clusters,
                   cudaStream_t stream) {
@@ -475,8 +461,11 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
       batched_map<Element>(args.e_u, args.n, plan.ku, args.num_users, kBlockK);
   params.candidate_activations =
       batched_map<Element>(args.e_c, args.n, plan.kc, args.num_candidates, kBlockK);
-  params.user_weights = weight_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.m);
-  params.candidate_weights = weight_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.m);
+  // w [M, K], rows ld elements apart, in boxes of 64 k x 112 m.
+  params.user_weights = ptx::k_major_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.m,
+                                                  Kernel::kWeightRowsPerCta);
+  params.candidate_weights = ptx::k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.m,
+                                                       Kernel::kWeightRowsPerCta);
   params.out = batched_map<Element>(args.out, args.n, plan.m, args.num_candidates, kStagingRows);
   auto* workspace = static_cast<char*>(args.workspace);
   params.user_partials = reinterpret_cast<float*>(workspace);

@@ -424,22 +424,6 @@ int tile_index(const LinearPlan::State& plan, std::int64_t num_candidates,
   return best;
 }
 
-// A row-major [rows, k] matrix, rows `ld` elements apart, in boxes of 64 k x
-// box_rows rows.
-template <typename Element>
-CUtensorMap k_major_map(const void* base, std::int64_t k, std::int64_t ld, std::int64_t rows,
-                        int box_rows) {
-  ptx::TensorMapLayout layout;
-  layout.rank = 2;
-  layout.dims[0] = static_cast<cuuint64_t>(k);
-  layout.dims[1] = static_cast<cuuint64_t>(rows);
-  layout.strides_bytes[0] = static_cast<cuuint64_t>(ld * kElementBytes);
-  layout.box[0] = kBlockK;
-  layout.box[1] = static_cast<cuuint32_t>(box_rows);
-  return ptx::make_tensor_map(ptx::kTensorMapType<Element>, base, layout,
-                              CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
 template <typename Element, int kRows, int kFeatures>
 void run_linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace,
                      int max_clusters, cudaStream_t stream) {
@@ -447,14 +431,14 @@ void run_linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspac
   const LinearPlan::State& plan = *args.plan;
   const LinearSm90Tile tile{kRows, kFeatures};
   LinearSm90Params params{};
-  params.candidates = k_major_map<Element>(args.x_c, plan.kc, plan.kc, args.num_candidates,
-                                           Kernel::kSharedRows);
+  params.candidates = ptx::k_major_map<Element>(args.x_c, plan.kc, plan.kc,
+                                                args.num_candidates, Kernel::kSharedRows);
   params.users =
-      k_major_map<Element>(args.x_u, plan.ku, plan.ku, args.num_users, Kernel::kSharedRows);
+      ptx::k_major_map<Element>(args.x_u, plan.ku, plan.ku, args.num_users, Kernel::kSharedRows);
   params.candidate_weights =
-      k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.out_features, kFeatures);
+      ptx::k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.out_features, kFeatures);
   params.user_weights =
-      k_major_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.out_features, kFeatures);
+      ptx::k_major_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.out_features, kFeatures);
   params.user_partials = workspace.user_partials;
   params.users_done = workspace.users_done;
   params.bias = plan.bias;
