@@ -9,6 +9,10 @@
 #include "ikbo/lce.hpp"
 #include "ikbo/linear.hpp"
 
+namespace ikbo::detail::cuda {
+struct WeightTensorMaps;  // src/cuda/sm90/weight_maps.cuh
+}  // namespace ikbo::detail::cuda
+
 namespace ikbo {
 
 struct CandidateMap::State {
@@ -49,6 +53,9 @@ struct LcePlan::State {
   const void* w_c = nullptr;
   const void* w_u = nullptr;
   std::shared_ptr<void> storage;
+  // The Hopper kernels' tensor maps of w_u and w_c (CUDA plans the Hopper
+  // path can take; null otherwise).
+  std::shared_ptr<const detail::cuda::WeightTensorMaps> weight_maps;
 };
 
 // Prepared linear weights in torch's [N_out, K] layout, split into the user
@@ -66,6 +73,8 @@ struct LinearPlan::State {
   const void* w_c = nullptr;
   const void* bias = nullptr;
   std::shared_ptr<void> storage;
+  // As LcePlan::State::weight_maps.
+  std::shared_ptr<const detail::cuda::WeightTensorMaps> weight_maps;
 };
 
 }  // namespace ikbo

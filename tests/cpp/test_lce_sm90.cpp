@@ -2,7 +2,7 @@
 // the fp64 reference on the published grid's widths (M in {128, 433},
 // N = 256, Ku in {1024, 1025, 1184}, Kc in {1023, 1024, 872}, the reference
 // 433/866/1178) at small B, with unsorted maps, users without candidates,
-// U = 1, U = B, N in {8, 24, 256, 264} and enough work units to make every
+// U = 1, U = B, B = 1, K in {1, 17}, N in {8, 24, 256, 264} and enough work units to make every
 // cluster of the persistent grid take several; its max abs error against
 // that of the cuBLAS path (the same call with the Hopper path switched off);
 // bitwise-identical repeated runs; an Inf in the next candidate's or user's
@@ -145,6 +145,10 @@ const std::vector<LceCase>& sm90_cases() {
       {"n8", {433, 1024, 1025, 8, 7, 3}, MapOrder::unsorted},
       {"n24_empty_users", {128, 1023, 1024, 24, 9, 4}, MapOrder::uneven},
       {"n264", {433, 1023, 1184, 264, 4, 2}, MapOrder::unsorted},
+      // One candidate: its cluster's second CTA is padding. K = 1 and 17:
+      // one k-step of one or two wgmma K slices.
+      {"one_candidate", {433, 866, 1178, 256, 1, 1}, MapOrder::sorted},
+      {"k1_k17", {128, 1, 17, 256, 7, 3}, MapOrder::uneven_unsorted},
       // 300 work units, 140 of them user units: every cluster of the
       // persistent grid takes several, the stage ring wraps across units,
       // and candidate units wait for user units of later rounds.

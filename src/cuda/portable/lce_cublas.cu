@@ -243,6 +243,7 @@ LcePlan::State prepare_lce_plan(DType dtype, Device device, std::int64_t m, std:
     copy_padded_rows(storage + user_offset, plan.ld_u, w_u, m, ku, element_bytes, cuda_stream);
   }
   IKBO_CUDA_CHECK(cudaStreamSynchronize(cuda_stream));
+  plan.weight_maps = lce_sm90_weight_maps(plan);
   return plan;
 }
 

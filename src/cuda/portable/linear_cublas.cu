@@ -246,6 +246,7 @@ LinearPlan::State prepare_linear_plan(const LinearWeights& weights, Device devic
                                     out_features * element_bytes, cudaMemcpyDefault, cuda_stream));
   }
   IKBO_CUDA_CHECK(cudaStreamSynchronize(cuda_stream));
+  plan.weight_maps = linear_sm90_weight_maps(plan);
   return plan;
 }
 

@@ -90,6 +90,7 @@
 #include "cuda/runtime.cuh"
 #include "cuda/sm90/device_support.cuh"
 #include "cuda/sm90/pipeline.cuh"
+#include "cuda/sm90/weight_maps.cuh"
 
 namespace ikbo::detail::cuda {
 namespace {
@@ -108,6 +109,7 @@ constexpr int kElementBytes = 2;
 
 constexpr int kClusterSize = 2;          // CTAs sharing one weight tile
 constexpr int kStagingRows = 32;  // rows of M per output TMA store
+constexpr int kWeightRowsPerCta = kBlockM / kClusterSize;  // rows of a weight box
 
 struct LceSm90Params {
   // {N, K, batch}, boxes {64 n, 64 k, 1}
@@ -137,7 +139,7 @@ struct LceSm90Kernel {
   static constexpr int kConsumerRegisters = 232;
   static constexpr int kAccumulators = kWarpgroupBlockN * kBlockM / kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
-  static constexpr int kWeightRowsPerCta = kBlockM / kClusterSize;
+  static constexpr int kWeightRowsPerCta = ::ikbo::detail::cuda::kWeightRowsPerCta;
 
   using Params = LceSm90Params;
   struct Accumulators {
@@ -461,11 +463,9 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
       batched_map<Element>(args.e_u, args.n, plan.ku, args.num_users, kBlockK);
   params.candidate_activations =
       batched_map<Element>(args.e_c, args.n, plan.kc, args.num_candidates, kBlockK);
-  // w [M, K], rows ld elements apart, in boxes of 64 k x 112 m.
-  params.user_weights = ptx::k_major_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.m,
-                                                  Kernel::kWeightRowsPerCta);
-  params.candidate_weights = ptx::k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.m,
-                                                       Kernel::kWeightRowsPerCta);
+  const WeightTensorMaps::Boxes& weights = plan.weight_maps->with_rows(kWeightRowsPerCta);
+  params.user_weights = weights.user;
+  params.candidate_weights = weights.candidate;
   params.out = batched_map<Element>(args.out, args.n, plan.m, args.num_candidates, kStagingRows);
   auto* workspace = static_cast<char*>(args.workspace);
   params.user_partials = reinterpret_cast<float*>(workspace);
@@ -513,15 +513,29 @@ bool lce_sm90_supported(const LcePlan::State& plan, std::int64_t n, std::int64_t
   constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   // TMA strides stay below 2^40 bytes.
   constexpr std::int64_t kMaxStrideBytes = std::int64_t{1} << 40;
-  if (plan.ku <= 0 || (plan.dtype != DType::f16 && plan.dtype != DType::bf16)) return false;
+  if (plan.weight_maps == nullptr) return false;
   if (n % 8 != 0 || n > kInt32Max || plan.m > kInt32Max || plan.kc > kInt32Max ||
       plan.ku > kInt32Max) {
     return false;
   }
   if (std::max({plan.m, plan.kc, plan.ku}) * n * kElementBytes >= kMaxStrideBytes) return false;
   const TileGrid grid = tile_grid(plan.m, n);
-  if (num_candidates + num_users > kInt32Max / grid.partial_tiles_per_user()) return false;
-  return lce_sm90_available(plan.device);
+  return num_candidates + num_users <= kInt32Max / grid.partial_tiles_per_user();
+}
+
+std::shared_ptr<const WeightTensorMaps> lce_sm90_weight_maps(const LcePlan::State& plan) {
+  if (plan.ku <= 0 || !lce_sm90_available(plan.device)) return nullptr;
+  std::shared_ptr<const WeightTensorMaps> maps;
+  dispatch_float_dtype(plan.dtype, [&](auto element) {
+    using Element = decltype(element);
+    if constexpr (!std::is_same_v<Element, float>) {
+      // w [M, K], rows ld elements apart, in boxes of 64 k x 112 m: each CTA
+      // of a cluster loads its half of a weight tile.
+      maps = encode_weight_maps<Element>(plan.w_u, plan.ku, plan.ld_u, plan.w_c, plan.kc,
+                                         plan.ld_c, plan.m, {kWeightRowsPerCta});
+    }
+  });
+  return maps;
 }
 
 std::size_t lce_sm90_workspace_bytes(const LcePlan::State& plan, std::int64_t n,

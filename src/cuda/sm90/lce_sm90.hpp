@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "backend.hpp"
 
@@ -19,10 +20,15 @@ namespace ikbo::detail::cuda {
 // another target, has none).
 bool lce_sm90_available(Device device);
 
+// The tensor maps of a prepared CUDA plan's weights (plan.w_u, plan.w_c
+// set) for the Hopper kernels, or null where they cannot take the plan:
+// not available on its device, not f16/bf16, or no user term (Ku = 0).
+std::shared_ptr<const WeightTensorMaps> lce_sm90_weight_maps(const LcePlan::State& plan);
+
 // Whether the Hopper kernels take these shapes, whatever the call's
-// pointers: available on the plan's device, f16/bf16, a user term
-// (plan.ku > 0), N a multiple of 8 (TMA needs 16-byte row strides), and
-// sizes within the kernels' int32 coordinates.
+// pointers: the plan has their weight maps (above), N is a multiple of 8
+// (TMA needs 16-byte row strides), and sizes stay within the kernels'
+// int32 coordinates.
 bool lce_sm90_supported(const LcePlan::State& plan, std::int64_t n, std::int64_t num_candidates,
                         std::int64_t num_users);
 

@@ -72,6 +72,7 @@
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
@@ -83,6 +84,7 @@
 #include "cuda/runtime.cuh"
 #include "cuda/sm90/device_support.cuh"
 #include "cuda/sm90/pipeline.cuh"
+#include "cuda/sm90/weight_maps.cuh"
 
 namespace ikbo::detail::cuda {
 namespace {
@@ -435,10 +437,9 @@ void run_linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspac
                                                 args.num_candidates, Kernel::kSharedRows);
   params.users =
       ptx::k_major_map<Element>(args.x_u, plan.ku, plan.ku, args.num_users, Kernel::kSharedRows);
-  params.candidate_weights =
-      ptx::k_major_map<Element>(plan.w_c, plan.kc, plan.ld_c, plan.out_features, kFeatures);
-  params.user_weights =
-      ptx::k_major_map<Element>(plan.w_u, plan.ku, plan.ld_u, plan.out_features, kFeatures);
+  const WeightTensorMaps::Boxes& weights = plan.weight_maps->with_rows(kFeatures);
+  params.candidate_weights = weights.candidate;
+  params.user_weights = weights.user;
   params.user_partials = workspace.user_partials;
   params.users_done = workspace.users_done;
   params.bias = plan.bias;
@@ -474,14 +475,34 @@ bool linear_sm90_available(Device device) {
 
 bool linear_sm90_supported(const LinearPlan::State& plan, std::int64_t num_candidates) {
   constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
-  if (plan.dtype != DType::f16 && plan.dtype != DType::bf16) return false;
+  if (plan.weight_maps == nullptr) return false;
   if (plan.kc % 8 != 0 || plan.ku % 8 != 0 || plan.kc > kInt32Max || plan.ku > kInt32Max ||
       plan.out_features > kInt32Max) {
     return false;
   }
   // Unit indices stay within int32 (users: at most one per candidate).
-  if (2 * num_units(num_candidates, plan.out_features, kTiles.front()) > kInt32Max) return false;
-  return linear_sm90_available(plan.device);
+  return 2 * num_units(num_candidates, plan.out_features, kTiles.front()) <= kInt32Max;
+}
+
+std::shared_ptr<const WeightTensorMaps> linear_sm90_weight_maps(const LinearPlan::State& plan) {
+  if (!linear_sm90_available(plan.device)) return nullptr;
+  std::shared_ptr<const WeightTensorMaps> maps;
+  dispatch_float_dtype(plan.dtype, [&](auto element) {
+    using Element = decltype(element);
+    if constexpr (!std::is_same_v<Element, float>) {
+      // w [N_out, K], rows ld elements apart, in boxes of 64 k x kFeatures
+      // rows, for every tile width.
+      std::vector<int> widths;
+      for (const LinearSm90Tile& tile : kTiles) {
+        if (std::find(widths.begin(), widths.end(), tile.features) == widths.end()) {
+          widths.push_back(tile.features);
+        }
+      }
+      maps = encode_weight_maps<Element>(plan.w_u, plan.ku, plan.ld_u, plan.w_c, plan.kc,
+                                         plan.ld_c, plan.out_features, widths);
+    }
+  });
+  return maps;
 }
 
 bool linear_sm90_eligible(const LinearArgs& args) {

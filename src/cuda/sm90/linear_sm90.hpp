@@ -6,8 +6,9 @@
 // Dispatch rule. The CUDA backend's linear() (portable/linear_cublas.cu)
 // takes this path when linear_sm90_eligible() accepts the call:
 //   - the plan's device is compute capability 9.0 and the binary carries the
-//     sm_90a kernels (linear_sm90_available);
-//   - dtype f16 or bf16 (f32 stays on cuBLAS);
+//     sm_90a kernels (linear_sm90_available), and the dtype is f16 or bf16
+//     (f32 stays on cuBLAS): then the plan holds the kernel's weight tensor
+//     maps (linear_sm90_weight_maps);
 //   - Kc and Ku multiples of 8, x_c and x_u 16-byte aligned (both are read
 //     in place by TMA, whose row strides must be multiples of 16 bytes);
 //   - B, N_out and Kc within the kernel's int32 coordinates;
@@ -20,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 
 #include "backend.hpp"
@@ -29,6 +31,11 @@ namespace ikbo::detail::cuda {
 // The device is compute capability 9.0 and this binary carries the sm_90a
 // linear kernels.
 bool linear_sm90_available(Device device);
+
+// The tensor maps of a prepared CUDA plan's weights (plan.w_u, plan.w_c set)
+// for every tile of the Hopper kernel, or null where it cannot take the
+// plan (not available on its device, or not f16/bf16).
+std::shared_ptr<const WeightTensorMaps> linear_sm90_weight_maps(const LinearPlan::State& plan);
 
 // Whether the Hopper kernel takes these shapes, whatever the call's pointers
 // (see the dispatch rule above).
