@@ -145,8 +145,8 @@ const std::vector<LceCase>& sm90_cases() {
       {"n8", {433, 1024, 1025, 8, 7, 3}, MapOrder::unsorted},
       {"n24_empty_users", {128, 1023, 1024, 24, 9, 4}, MapOrder::uneven},
       {"n264", {433, 1023, 1184, 264, 4, 2}, MapOrder::unsorted},
-      // One candidate: its cluster's second CTA is padding. K = 1 and 17:
-      // one k-step of one or two wgmma K slices.
+      // One candidate; K = 1 and 17: one k-step, nearly all of it the
+      // TMA's zero fill.
       {"one_candidate", {433, 866, 1178, 256, 1, 1}, MapOrder::sorted},
       {"k1_k17", {128, 1, 17, 256, 7, 3}, MapOrder::uneven_unsorted},
       // 300 work units, 140 of them user units: every cluster of the
