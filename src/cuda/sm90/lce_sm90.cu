@@ -213,10 +213,22 @@ struct LceSm90Kernel {
     return tile;
   }
 
+  // The producer decodes each unit once (the pipeline's describe hook), not
+  // at every k-step: its stage release to load issue is on the main loop's
+  // critical path.
+  __device__ static Tile describe(const Params& params, int unit) {
+    return tile_at(params, unit, static_cast<int>(ptx::cluster_rank()));
+  }
+
   __device__ static int num_units(const Params& params) { return params.num_units; }
+  __device__ static int num_k_steps(const Params& params, bool user) {
+    return user ? params.user_k_steps : kPartialSteps + params.candidate_k_steps;
+  }
   __device__ static int num_k_steps(const Params& params, int unit) {
-    return is_user_unit(params, unit) ? params.user_k_steps
-                                      : kPartialSteps + params.candidate_k_steps;
+    return num_k_steps(params, is_user_unit(params, unit));
+  }
+  __device__ static int num_k_steps(const Params& params, const Tile& tile) {
+    return num_k_steps(params, tile.user);
   }
   __device__ static int partial_step_quads(int k_step) {
     return k_step + 1 < kPartialSteps ? kQuadsPerPartialStep
@@ -226,8 +238,9 @@ struct LceSm90Kernel {
   __device__ static int partial_step(const Params& params, int k_step) {
     return k_step >= params.candidate_k_steps ? k_step - params.candidate_k_steps : -1;
   }
-  __device__ static std::uint32_t stage_bytes(const Params& params, int unit, int k_step) {
-    const int step = is_user_unit(params, unit) ? -1 : partial_step(params, k_step);
+  __device__ static std::uint32_t stage_bytes(const Params& params, const Tile& tile,
+                                              int k_step) {
+    const int step = tile.user ? -1 : partial_step(params, k_step);
     if (step >= 0) return static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes);
     return kStageBytes;
   }
@@ -235,9 +248,8 @@ struct LceSm90Kernel {
     return params.user_partials + tile.partial_tile * kTileElements;
   }
 
-  __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
-                              std::uint64_t* full) {
-    const Tile tile = tile_at(params, unit, rank);
+  __device__ static void load(const Params& params, const Tile& tile, int rank, int k_step,
+                              Stage& stage, std::uint64_t* full) {
     if (const int step = tile.user ? -1 : partial_step(params, k_step); step >= 0) {
       if (step == 0) {
         // Written by the user unit's consumers with ordinary stores; read
@@ -248,7 +260,7 @@ struct LceSm90Kernel {
       ptx::bulk_load(&stage,
                      reinterpret_cast<const char*>(partial_tile(params, tile)) +
                          std::int64_t{step} * kQuadsPerPartialStep * kQuadBytes,
-                     stage_bytes(params, unit, k_step), full);
+                     stage_bytes(params, tile, k_step), full);
       return;
     }
     const CUtensorMap* activations =
