@@ -165,8 +165,26 @@ struct LinearSm90Kernel {
   __device__ static int tile_of(const Params& params, int unit) {
     return is_user_unit(params, unit) ? unit : unit - params.num_user_units;
   }
+  // What the producer loads for a unit, decoded once per unit (the
+  // pipeline's describe hook) rather than at every k-step: its stage
+  // release to load issue is on the main loop's critical path.
+  struct Loads {
+    bool user;
+    int row0;      // this CTA's first shared row of the tile
+    int feature0;  // this CTA's first feature
+  };
+  __device__ static Loads describe(const Params& params, int unit) {
+    const int rank = static_cast<int>(ptx::cluster_rank());
+    return {is_user_unit(params, unit), first_row(params, unit) + rank * kSharedRows,
+            first_feature(params, unit, rank)};
+  }
+  __device__ static int num_k_steps(const Params& params, const Loads& loads) {
+    return loads.user ? params.user_k_steps : params.candidate_k_steps;
+  }
   // Out-of-bounds parts of a box are zero-filled and still counted.
-  __device__ static std::uint32_t stage_bytes(const Params&, int, int) { return sizeof(Stage); }
+  __device__ static std::uint32_t stage_bytes(const Params&, const Loads&, int) {
+    return sizeof(Stage);
+  }
 
   // First row (of x_c or x_u) of the unit's tile.
   __device__ static int first_row(const Params& params, int unit) {
@@ -177,19 +195,18 @@ struct LinearSm90Kernel {
     return (tile_of(params, unit) % params.feature_pairs * kClusterSize + rank) * kFeatures;
   }
 
-  __device__ static void load(const Params& params, int unit, int rank, int k_step, Stage& stage,
-                              std::uint64_t* full) {
-    const bool user = is_user_unit(params, unit);
-    const CUtensorMap* row_map = user ? &params.users : &params.candidates;
-    const CUtensorMap* weight_map = user ? &params.user_weights : &params.candidate_weights;
+  __device__ static void load(const Params& params, const Loads& loads, int rank, int k_step,
+                              Stage& stage, std::uint64_t* full) {
+    const CUtensorMap* row_map = loads.user ? &params.users : &params.candidates;
+    const CUtensorMap* weight_map = loads.user ? &params.user_weights : &params.candidate_weights;
     const int k0 = k_step * kBlockK;
-    const int row0 = first_row(params, unit) + rank * kSharedRows;
 #pragma unroll
     for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
       ptx::tma_load_multicast(stage.rows[consumer] + rank * kSharedRows * kBlockK, row_map, k0,
-                              row0 + consumer * kWarpgroupRows, full, (1u << kClusterSize) - 1);
+                              loads.row0 + consumer * kWarpgroupRows, full,
+                              (1u << kClusterSize) - 1);
     }
-    ptx::tma_load(stage.weights, weight_map, k0, first_feature(params, unit, rank), full);
+    ptx::tma_load(stage.weights, weight_map, k0, loads.feature0, full);
   }
 
   __device__ static void compute(const Params&, int, int, const Stage& stage, int k_step,
