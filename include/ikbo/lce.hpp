@@ -50,6 +50,10 @@ class LcePlan {
 // like lce() does.
 std::size_t lce_workspace_bytes(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u,
                                 const CandidateMap& map);
+// The same from the sizes alone (e_c [B, Kc, N], e_u [U, Ku, N]), e.g. to
+// allocate a workspace before the inputs exist: n = N >= 1, B >= 0, U >= 1.
+std::size_t lce_workspace_bytes(const LcePlan& plan, std::int64_t n, std::int64_t num_candidates,
+                                std::int64_t num_users);
 
 // Validates every argument (ikbo::Error, nothing written, on any mismatch),
 // then computes out. On CUDA the call is asynchronous on `stream`.

@@ -63,6 +63,10 @@ class LinearPlan {
 // Validates like linear() does.
 std::size_t linear_workspace_bytes(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,
                                    const CandidateMap& map);
+// The same from the sizes alone (x_c [B, Kc], x_u [U, Ku]), e.g. to allocate
+// a workspace before the inputs exist: B >= 0, U >= 1.
+std::size_t linear_workspace_bytes(const LinearPlan& plan, std::int64_t num_candidates,
+                                   std::int64_t num_users);
 
 // Validates every argument (ikbo::Error, nothing written, on any mismatch),
 // then computes out. On CUDA the call is asynchronous on `stream`, allocates

@@ -257,9 +257,14 @@ def linear(
             stream,
         )
     candidate_map = _candidate_map(cand_to_user_or_map, None, x_u.shape[0], stream)
-    # Validates x_c, x_u and the map against the plan, so nothing is allocated
-    # from the shape of an invalid input.
-    workspace_bytes = _C.linear_workspace_bytes(plan, x_c, x_u, candidate_map)
+    if len(x_c.shape) == 2 and len(x_u.shape) == 2:
+        # Sized from the row counts alone: a linear layer's kernel is short
+        # enough that exporting x_c and x_u a second time shows. _C.linear
+        # validates every argument before it writes anything.
+        workspace_bytes = _C.linear_workspace_bytes(plan, x_c.shape[0], x_u.shape[0])
+    else:
+        # Raises the ValueError that names the argument.
+        workspace_bytes = _C.linear_workspace_bytes(plan, x_c, x_u, candidate_map)
     if out is None:
         out = _allocate(x_c, (x_c.shape[0], plan.out_features))
     workspace = _allocate(x_c, (workspace_bytes,), raw_bytes=True) if workspace_bytes else None

@@ -294,6 +294,15 @@ void bind_lce(nb::module_& m) {
       "plan"_a, "e_c"_a, "e_u"_a, "map"_a,
       "Bytes of workspace lce() needs for these inputs (0 on the CPU). Validates the\n"
       "inputs against the plan and the map exactly as lce() does.");
+  m.def(
+      "lce_workspace_bytes",
+      [](const ikbo::LcePlan& plan, std::int64_t n, std::int64_t num_candidates,
+         std::int64_t num_users) {
+        return ikbo::lce_workspace_bytes(plan, n, num_candidates, num_users);
+      },
+      "plan"_a, "n"_a, "num_candidates"_a, "num_users"_a,
+      "The same from the sizes alone: N, B and U of e_c [B, Kc, N] and e_u [U, Ku, N]\n"
+      "(no array to export: the cheaper query when the inputs are at hand anyway).");
 
   m.def(
       "lce",
@@ -383,6 +392,14 @@ void bind_linear(nb::module_& m) {
       "plan"_a, "x_c"_a, "x_u"_a, "map"_a,
       "Bytes of workspace linear() needs for these inputs (0 on the CPU). Validates the\n"
       "inputs against the plan and the map exactly as linear() does.");
+  m.def(
+      "linear_workspace_bytes",
+      [](const ikbo::LinearPlan& plan, std::int64_t num_candidates, std::int64_t num_users) {
+        return ikbo::linear_workspace_bytes(plan, num_candidates, num_users);
+      },
+      "plan"_a, "num_candidates"_a, "num_users"_a,
+      "The same from the sizes alone: B and U of x_c [B, Kc] and x_u [U, Ku] (no array\n"
+      "to export: the cheaper query when the inputs are at hand anyway).");
 
   m.def(
       "linear",

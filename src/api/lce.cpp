@@ -61,10 +61,17 @@ std::int64_t LcePlan::kc() const { return state_->kc; }
 
 std::size_t lce_workspace_bytes(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u,
                                 const CandidateMap& map) {
-  auto args = check_inputs(plan, e_c, e_u, map);
+  const auto args = check_inputs(plan, e_c, e_u, map);
+  return lce_workspace_bytes(plan, args.n, args.num_candidates, args.num_users);
+}
+
+std::size_t lce_workspace_bytes(const LcePlan& plan, std::int64_t n, std::int64_t num_candidates,
+                                std::int64_t num_users) {
+  detail::check_extent(n, "n (N, dimension 2 of e_c)", 1);
+  detail::check_extent(num_candidates, "num_candidates (B)", 0);
+  detail::check_extent(num_users, "num_users (U)", 1);
   if (!plan.device().is_cuda()) return 0;
-  return detail::cuda::lce_workspace_bytes(plan.state(), args.n, args.num_candidates,
-                                           args.num_users);
+  return detail::cuda::lce_workspace_bytes(plan.state(), n, num_candidates, num_users);
 }
 
 void lce(const LcePlan& plan, const Tensor& e_c, const Tensor& e_u, const CandidateMap& map,

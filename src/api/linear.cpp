@@ -105,8 +105,15 @@ bool LinearPlan::has_bias() const { return state_->bias != nullptr; }
 std::size_t linear_workspace_bytes(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,
                                    const CandidateMap& map) {
   const auto args = check_inputs(plan, x_c, x_u, map);
+  return linear_workspace_bytes(plan, args.num_candidates, args.num_users);
+}
+
+std::size_t linear_workspace_bytes(const LinearPlan& plan, std::int64_t num_candidates,
+                                   std::int64_t num_users) {
+  detail::check_extent(num_candidates, "num_candidates (B)", 0);
+  detail::check_extent(num_users, "num_users (U)", 1);
   if (!plan.device().is_cuda()) return 0;
-  return detail::cuda::linear_workspace_bytes(plan.state(), args.num_candidates, args.num_users);
+  return detail::cuda::linear_workspace_bytes(plan.state(), num_candidates, num_users);
 }
 
 void linear(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u, const CandidateMap& map,

@@ -110,6 +110,11 @@ void check_float_dtype(DType dtype, std::string_view name) {
           " must have dtype float16, bfloat16 or float32, got ", dtype_name(dtype));
 }
 
+void check_extent(std::int64_t value, std::string_view name, std::int64_t minimum) {
+  require(value >= minimum && value <= kMaxExtent, name, " must be in [", minimum, ", ",
+          kMaxExtent, "], got ", value);
+}
+
 void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query) {
   constexpr std::uintptr_t kWorkspaceAlignment = 256;
   require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr),

@@ -47,6 +47,9 @@ void check_shape(const Tensor& tensor, std::string_view name,
                  std::initializer_list<std::int64_t> expected, std::string_view meaning);
 // Checks that `dtype` is one of the floating-point dtypes ops compute in.
 void check_float_dtype(DType dtype, std::string_view name);
+// Checks that a size given without a tensor (e.g. to a workspace query)
+// lies in [minimum, kMaxExtent]; `name` says what it counts.
+void check_extent(std::int64_t value, std::string_view name, std::int64_t minimum);
 // Checks that a caller's workspace holds `needed` bytes at an address aligned
 // for every backend's use (cuBLAS wants 256 bytes); `query` names the
 // function that tells the size.

@@ -251,8 +251,12 @@ TEST_F(LceSm90Test, WorkspaceSizeDoesNotDependOnTheSwitch) {
   const LceProblem problem = random_problem(rng, DType::f16, {433, 866, 1178, 256, 16, 15},
                                             MapOrder::sorted);
   const auto bytes = [&] {
-    return lce_workspace_bytes(problem.plan, problem.e_c_device.view(),
-                               problem.e_u_device.view(), problem.map);
+    const std::size_t from_sizes = lce_workspace_bytes(
+        problem.plan, problem.shape.n, problem.shape.num_candidates, problem.shape.num_users);
+    const std::size_t from_inputs = lce_workspace_bytes(
+        problem.plan, problem.e_c_device.view(), problem.e_u_device.view(), problem.map);
+    EXPECT_EQ(from_sizes, from_inputs);
+    return from_inputs;
   };
   std::size_t enabled_bytes = 0, disabled_bytes = 0;
   {

@@ -476,6 +476,19 @@ TEST_P(LinearValidation, MapMustBeOnThePlanDevice) {
                                  " like the weights, got " + device_name(other_device(device()))}));
 }
 
+TEST_P(LinearValidation, WorkspaceBytesFromSizesMatchesAndChecksThem) {
+  using O = LinearOperands;
+  EXPECT_EQ(linear_workspace_bytes(operands().plan, O::num_candidates, O::num_users),
+            linear_workspace_bytes(operands().plan, operands().x_c.view(), operands().x_u.view(),
+                                   operands().map));
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { linear_workspace_bytes(operands().plan, -1, O::num_users); },
+      {"num_candidates (B) must be in [0, 2147483647], got -1"}));
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { linear_workspace_bytes(operands().plan, O::num_candidates, 0); },
+      {"num_users (U) must be in [1, 2147483647], got 0"}));
+}
+
 TEST_P(LinearValidation, WorkspaceIsCheckedOnCudaAndUnusedOnTheCpu) {
   Tensor bad_x_c = operands().x_c.view();
   bad_x_c.shape[1] += 1;

@@ -367,8 +367,13 @@ TEST_F(LinearSm90Test, WorkspaceSizeDoesNotDependOnThePath) {
   const LinearProblem problem =
       random_problem(rng, DType::f16, {512, 256, 3976, 1024, 15}, MapOrder::sorted, true);
   const auto bytes = [&] {
-    return linear_workspace_bytes(*problem.plan, problem.x_c_device->view(),
-                                  problem.x_u_device->view(), *problem.map);
+    const std::size_t from_sizes =
+        linear_workspace_bytes(*problem.plan, problem.shape.num_candidates,
+                               problem.shape.num_users);
+    const std::size_t from_inputs = linear_workspace_bytes(
+        *problem.plan, problem.x_c_device->view(), problem.x_u_device->view(), *problem.map);
+    EXPECT_EQ(from_sizes, from_inputs);
+    return from_inputs;
   };
   std::size_t enabled_bytes = 0, disabled_bytes = 0;
   {

@@ -258,6 +258,25 @@ TEST_P(LceValidation, WorkspaceBytesValidatesLikeLce) {
   }
 }
 
+TEST_P(LceValidation, WorkspaceBytesFromSizesMatchesAndChecksThem) {
+  using O = LceOperands;
+  EXPECT_EQ(lce_workspace_bytes(operands().plan, O::n, O::num_candidates, O::num_users),
+            lce_workspace_bytes(operands().plan, operands().e_c.view(), operands().e_u.view(),
+                                operands().map));
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { lce_workspace_bytes(operands().plan, 0, O::num_candidates, O::num_users); },
+      {"n (N, dimension 2 of e_c) must be in [1, 2147483647], got 0"}));
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { lce_workspace_bytes(operands().plan, O::n, -1, O::num_users); },
+      {"num_candidates (B) must be in [0, 2147483647], got -1"}));
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { lce_workspace_bytes(operands().plan, O::n, O::num_candidates, 0); },
+      {"num_users (U) must be in [1, 2147483647], got 0"}));
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { lce_workspace_bytes(operands().plan, O::n, std::int64_t{1} << 31, O::num_users); },
+      {"num_candidates (B) must be in [0, 2147483647], got 2147483648"}));
+}
+
 TEST_P(LceValidation, WorkspaceMustHoldWhatTheBackendNeeds) {
   if (!device().is_cuda()) {
     LceCall no_workspace = call();

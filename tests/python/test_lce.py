@@ -62,6 +62,18 @@ def test_lce_with_prebuilt_plan_and_map_allocates_numpy_output():
     )
 
 
+def test_workspace_bytes_from_sizes_match_and_are_checked():
+    w_c, w_u, e_c, e_u, cand_to_user = make_inputs(12, SHAPES["unsorted-empty-users"], np.float32)
+    plan = ikbo.LcePlan(w_c, w_u)
+    candidate_map = ikbo.CandidateMap(cand_to_user, e_u.shape[0])
+    num_candidates, _, n = e_c.shape
+    assert ikbo._C.lce_workspace_bytes(
+        plan, n, num_candidates, e_u.shape[0]
+    ) == ikbo._C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
+    with pytest.raises(ValueError, match=r"n \(N, dimension 2 of e_c\) must be in \[1, 2147483647\], got 0"):
+        ikbo._C.lce_workspace_bytes(plan, 0, num_candidates, e_u.shape[0])
+
+
 def test_lce_num_users_and_raw_list_mapping():
     w_c, w_u, e_c, e_u, cand_to_user = make_inputs(12, SHAPES["k-of-one"], np.float32)
     out = ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user.tolist(), num_users=e_u.shape[0])

@@ -172,6 +172,24 @@ def test_plan_holds_the_bias_and_ku(small_inputs):
     expect_untouched(out)
 
 
+def test_plan_with_one_dimensional_candidate_features_is_rejected(small_inputs):
+    weight, bias, x_c, x_u, cand_to_user, out = small_inputs
+    plan = ikbo.LinearPlan.from_concatenated(weight, x_u.shape[1], bias)
+    with pytest.raises(ValueError, match=r"x_c must have 2 dimensions"):
+        ikbo.linear(plan, x_c.reshape(-1), x_u, cand_to_user, out=out)
+    expect_untouched(out)
+
+
+def test_workspace_bytes_from_sizes_match_and_are_checked(small_inputs):
+    weight, bias, x_c, x_u, cand_to_user, _ = small_inputs
+    plan = ikbo.LinearPlan.from_concatenated(weight, x_u.shape[1], bias)
+    mapping = ikbo.CandidateMap(cand_to_user, x_u.shape[0])
+    from_inputs = ikbo._C.linear_workspace_bytes(plan, x_c, x_u, mapping)
+    assert ikbo._C.linear_workspace_bytes(plan, x_c.shape[0], x_u.shape[0]) == from_inputs
+    with pytest.raises(ValueError, match=re.escape("num_users (U) must be in [1, 2147483647], got 0")):
+        ikbo._C.linear_workspace_bytes(plan, x_c.shape[0], 0)
+
+
 def test_raw_weight_needs_two_dimensional_user_features(small_inputs):
     weight, _, x_c, x_u, cand_to_user, out = small_inputs
     with pytest.raises(ValueError, match=r"x_u must have 2 dimensions \[U, Ku\], got shape \(8,\)"):
