@@ -221,14 +221,15 @@ struct LceSm90Kernel {
   }
 
   __device__ static int num_units(const Params& params) { return params.num_units; }
-  __device__ static int num_k_steps(const Params& params, bool user) {
+  __device__ static int k_steps_of(const Params& params, bool user) {
     return user ? params.user_k_steps : kPartialSteps + params.candidate_k_steps;
   }
+  // The consumers' (by unit index) and the producer's (by Tile).
   __device__ static int num_k_steps(const Params& params, int unit) {
-    return num_k_steps(params, is_user_unit(params, unit));
+    return k_steps_of(params, is_user_unit(params, unit));
   }
   __device__ static int num_k_steps(const Params& params, const Tile& tile) {
-    return num_k_steps(params, tile.user);
+    return k_steps_of(params, tile.user);
   }
   __device__ static int partial_step_quads(int k_step) {
     return k_step + 1 < kPartialSteps ? kQuadsPerPartialStep

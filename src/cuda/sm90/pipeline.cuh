@@ -62,8 +62,12 @@
 // exactly the loop above):
 //
 //   describe(params, unit) -> UnitInfo  decodes a unit once per role and
-//     unit; num_k_steps, load (and the hooks below) then take the UnitInfo
-//     instead of the unit index. Without it the UnitInfo is the index.
+//     unit; the producer's hooks (num_k_steps, stage_bytes, load) and those
+//     below then take the UnitInfo instead of the unit index. The
+//     pipeline's own consumer loop still passes the index to its hooks
+//     (num_k_steps included), so a kernel that describes its units for the
+//     producer keeps those on the index. Without it the UnitInfo is the
+//     index.
 //
 //   Per-unit operands: kUnitStages > 0 adds a second ring of kUnitStages
 //     slots (SharedStorage::unit_stages[kUnitStages] of type UnitStage)
