@@ -141,7 +141,6 @@ struct LceSm90Kernel {
   static constexpr int kConsumerRegisters = 232;
   static constexpr int kAccumulators = kWarpgroupBlockN * kBlockM / kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
-  static constexpr int kWeightRowsPerCta = ::ikbo::detail::cuda::kWeightRowsPerCta;
 
   using Params = LceSm90Params;
   struct Accumulators {

@@ -58,7 +58,7 @@
 // and launches run_pipeline<Kernel> with kPipelineThreads<Kernel> threads
 // per CTA, one CTA per SM.
 //
-// Optional extensions (a kernel that declares none of them, like LCE, runs
+// Optional extensions (a kernel that declares none of them runs
 // exactly the loop above):
 //
 //   describe(params, unit) -> UnitInfo  decodes a unit once per role and
