@@ -33,15 +33,16 @@ __device__ __forceinline__ void cluster_sync() {
 // the CTA of rank `rank` (this CTA's own rank included). The default
 // .release.cta semantics suffice for handing back a stage whose readers were
 // wgmmas already retired by wgmma.wait_group, and avoid the GPU-wide memory
-// barrier a .release.cluster arrive compiles to.
-__device__ __forceinline__ void remote_mbarrier_arrive(std::uint64_t* barrier,
-                                                       std::uint32_t rank) {
+// barrier a .release.cluster arrive compiles to. `count` arrivals at once
+// (e.g. one thread standing in for several warps).
+__device__ __forceinline__ void remote_mbarrier_arrive(std::uint64_t* barrier, std::uint32_t rank,
+                                                       std::uint32_t count = 1) {
   std::uint32_t remote_address;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
                : "=r"(remote_address)
                : "r"(shared_address(barrier)), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(
-                   remote_address)
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0], %1;\n" ::"r"(remote_address),
+               "r"(count)
                : "memory");
 }
 

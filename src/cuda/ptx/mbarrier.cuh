@@ -31,6 +31,11 @@ __device__ __forceinline__ void mbarrier_arrive(std::uint64_t* barrier) {
   static_cast<void>(::cuda::ptx::mbarrier_arrive(barrier));
 }
 
+// `count` arrivals at once (one thread standing in for several).
+__device__ __forceinline__ void mbarrier_arrive(std::uint64_t* barrier, std::uint32_t count) {
+  static_cast<void>(::cuda::ptx::mbarrier_arrive(barrier, count));
+}
+
 // Arrives and announces `bytes` that asynchronous copies will deliver
 // before the current phase may complete.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(std::uint64_t* barrier,

@@ -174,6 +174,15 @@ __device__ __forceinline__ void tma_store(const CUtensorMap* map, std::int32_t c
                                     coordinates, shared_source);
 }
 
+// Copies `bytes` (a multiple of 16) of shared memory to contiguous global
+// memory at `destination` (16-byte aligned). Joins the issuing thread's
+// open bulk group.
+__device__ __forceinline__ void bulk_store(void* destination, const void* shared_source,
+                                           std::uint32_t bytes) {
+  ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, destination,
+                             shared_source, bytes);
+}
+
 // Closes the issuing thread's open bulk group (its stores since the last commit).
 __device__ __forceinline__ void bulk_commit_group() { ::cuda::ptx::cp_async_bulk_commit_group(); }
 

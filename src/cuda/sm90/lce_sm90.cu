@@ -9,11 +9,11 @@
 //                    tile at a time, each tile flagged ready when stored;
 //   candidate units  out[b] = round(P[cand_to_user[b]] + w_c @ e_c[b]): the
 //                    producer waits for the flag of the P tile it needs and
-//                    streams the tile through the stage ring ahead of the
-//                    unit's operands; the consumers load it into their
-//                    accumulators, the main loop accumulates on top, and
-//                    the epilogue rounds once; no candidate partial ever
-//                    goes to memory.
+//                    streams the tile through the stage ring after the
+//                    unit's operands; the consumers add it to their
+//                    accumulators once the main loop has retired, and the
+//                    epilogue rounds once; no candidate partial ever goes
+//                    to memory.
 // User units come first in the walk, so they are the first units of their
 // clusters and never wait: every flag is set while the candidate units'
 // main loops run, and the user GEMM costs no launch or pipeline drain.
@@ -45,11 +45,11 @@
 // block past N computes zeros and stores nothing.
 //
 // The user partial P. A user unit stores P exactly as it sits in the
-// accumulators ("fragment order": per tile, [register quad j][consumer
-// thread][4]), so a warp writes 512 contiguous bytes per 16-byte store. A
+// accumulators ("fragment order": per tile, three step images of 11, 11
+// and 6 register quads, each [consumer warpgroup][quad][thread][4]). A
 // candidate unit's last three k-steps are "register steps" (pipeline.cuh):
-// bulk copies of its P tile (115 KB, 11 quads per 44 KB stage), which the
-// consumers add to their accumulators in the same order, conflict-free.
+// bulk copies of its P tile's step images (115 KB, one 44 KB stage each),
+// which the consumers add to their accumulators, conflict-free.
 // Loading P this way, during the unit's main loop and through the copy
 // engine, instead of reading it in the epilogue from L2 with the tensor
 // cores idle, took the reference shape from 0.411 to 0.390 ms on H100 (an
@@ -57,12 +57,20 @@
 // first so that a candidate unit's main loop never waits for its user
 // tile: at the start of a launch the user tiles are still being computed.
 //
-// Candidate epilogue: round, transpose into shared memory with
-// stmatrix.trans (rows of M with N contiguous, 128-byte swizzled, so the
-// stores are free of bank conflicts) and write with TMA stores of 32 rows,
-// which clip the N tail and drain while the next unit's main loop runs.
-// Three staging buffers per consumer warpgroup rotate, so a store's
-// stmatrix never waits for the store just issued.
+// Epilogues through held stages (pipeline.cuh): a unit keeps the stages of
+// its last k-steps and stages its stores there, and the pipeline's storer
+// thread (a producer warp) writes them out while the consumers go on with
+// the next unit. A candidate unit rounds its tile and transposes it with
+// stmatrix.trans into the stages of its last two P steps (per consumer
+// warpgroup 224 rows of M with 64 N contiguous, 128-byte swizzled: free of
+// bank conflicts), which the storer writes with one TMA store each (the M
+// and N tails clipped). A user unit writes its P step images into the
+// stages of its last three k-steps; the storer copies them out with bulk
+// stores, waits until they are written, and sets the tile's flag. So the
+// tensor cores idle only while the consumers write shared memory (H100,
+// session 9: reference shape 0.3700-0.3705 vs 0.3755-0.3757 ms with the
+// stores issued by the consumers from 24 KB of rotating staging buffers
+// and P stored with st.global; the freed buffers make a fifth stage).
 //
 // Schedule: a persistent grid of co-resident clusters walks the units in
 // the order (user units; then b, N-block pair, M block): the M blocks that
@@ -109,7 +117,6 @@ constexpr int kSwizzleRowBytes = 128;
 constexpr int kElementBytes = 2;
 
 constexpr int kClusterSize = 2;          // CTAs sharing one weight tile
-constexpr int kStagingRows = 32;  // rows of M per output TMA store
 constexpr int kWeightRowsPerCta = kBlockM / kClusterSize;  // rows of a weight box
 
 struct LceSm90Params {
@@ -117,9 +124,9 @@ struct LceSm90Params {
   CUtensorMap user_activations, candidate_activations;
   // {K, M}, boxes {64 k, 112 m}: each CTA of a cluster loads one half
   CUtensorMap user_weights, candidate_weights;
-  CUtensorMap out;  // {N, M, B}, boxes {64 n, 32 m, 1}
+  CUtensorMap out;  // {N, M, B}, boxes {64 n, 224 m, 1}
   float* user_partials;  // [U][N block][M block][fragment order]
-  int* user_ready;       // [U][N block][M block]: warpgroups that stored their part
+  int* user_ready;       // [U][N block][M block]: 1 once the tile is stored
   const std::int32_t* cand_to_user;
   int m, n;
   int user_k_steps, candidate_k_steps;
@@ -134,7 +141,7 @@ struct LceSm90Params {
 template <typename Element>
 struct LceSm90Kernel {
   static constexpr int kConsumerWarpgroups = kBlockN / kWarpgroupBlockN;
-  static constexpr int kStages = 4;
+  static constexpr int kStages = 5;
   static constexpr int kClusterSize = ::ikbo::detail::cuda::kClusterSize;
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 40;
@@ -150,26 +157,20 @@ struct LceSm90Kernel {
     Element activations[kConsumerWarpgroups][kBlockK * kWarpgroupBlockN];  // [k][n] each
     Element weights[kBlockM * kBlockK];                                      // [m][k]
   };
-  // Output staging: per consumer warpgroup, kStagingBuffers buffers of
-  // kStagingRows rows of M (64 n each), written in rotation so that a
-  // buffer is refilled while the TMA stores of the others drain.
-  static constexpr int kStagingBuffers = 3;
+  // The epilogues stage their stores in held ring stages (pipeline.cuh).
   struct SharedStorage {
     Stage stages[kStages];
-    Element out[kConsumerWarpgroups][kStagingBuffers][kStagingRows * kWarpgroupBlockN];  // [m][n]
   };
   // Both CTAs' weight halves land in each CTA's stage.
   static constexpr std::uint32_t kStageBytes = sizeof(Stage);
   static_assert(sizeof(Stage::activations[0]) % kSharedAlignment == 0 &&
                     sizeof(Stage::activations) % kSharedAlignment == 0 &&
                     sizeof(Stage) % kSharedAlignment == 0 &&
-                    kWeightRowsPerCta * kBlockK * sizeof(Element) % kSharedAlignment == 0 &&
-                    sizeof(SharedStorage::out[0][0]) % kSharedAlignment == 0,
+                    kWeightRowsPerCta * kBlockK * sizeof(Element) % kSharedAlignment == 0,
                 "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
-  static constexpr int kStores = kBlockM / kStagingRows;
-  static constexpr int kQuadsPerStore = kStagingRows / 8;
-  static_assert(kBlockM % kStagingRows == 0 && kQuadsPerStore % 2 == 0,
-                "output stores take whole stmatrix.x4 row pairs");
+  static_assert(kBlockM * kWarpgroupBlockN * sizeof(Element) <= sizeof(Stage),
+                "a consumer warpgroup's output tile is staged in one stage");
+  static_assert(kBlockM % 16 == 0, "the output is staged in whole stmatrix.x4 row pairs");
 
   // A candidate unit ends with kPartialSteps steps that bring the fp32
   // user partial of its tile, in fragment order, through the ring: each
@@ -181,6 +182,26 @@ struct LceSm90Kernel {
   static constexpr int kQuadBytes = kConsumerThreads * static_cast<int>(sizeof(float4));
   static constexpr int kQuadsPerPartialStep = static_cast<int>(sizeof(Stage)) / kQuadBytes;
   static constexpr int kPartialSteps = (kQuads + kQuadsPerPartialStep - 1) / kQuadsPerPartialStep;
+
+  // Held stages (pipeline.cuh): a user unit stages P for its bulk stores in
+  // the stages of its last kPartialSteps k-steps, one step image each; a
+  // candidate unit its output in those of its last two P steps, one
+  // consumer warpgroup's tile each. The storer thread writes them out
+  // while the next unit runs.
+  static constexpr int kMaxHeldStages = kPartialSteps;
+  static_assert(kConsumerWarpgroups <= kPartialSteps, "a candidate unit holds P step stages");
+  static_assert(kPartialSteps == 3, "store_held releases three step images");
+
+  // Where a consumer thread keeps quad `quad` of its tile in that quad's
+  // step image ([consumer warpgroup][quad of the step][thread], float4
+  // units): a warp reads or writes 512 contiguous bytes per quad, free of
+  // bank conflicts, and each warpgroup's part of a step is contiguous.
+  __device__ static int image_offset(int quad, int consumer, int thread) {
+    const int step = quad / kQuadsPerPartialStep;
+    return (consumer * partial_step_quads(step) + quad % kQuadsPerPartialStep) *
+               kWarpgroupThreads +
+           thread;
+  }
 
   struct Tile {
     bool user;  // a user unit (P tile) or a candidate unit (out tile)
@@ -252,9 +273,9 @@ struct LceSm90Kernel {
                               Stage& stage, std::uint64_t* full) {
     if (const int step = tile.user ? -1 : partial_step(params, k_step); step >= 0) {
       if (step == 0) {
-        // Written by the user unit's consumers with ordinary stores; read
-        // here by TMA (see ptx::fence_async_global).
-        ptx::wait_ready(params.user_ready + tile.partial_tile, kConsumerWarpgroups);
+        // Written by a user unit's storer with bulk copies and flagged with
+        // an ordinary atomic; read here by TMA (see ptx::fence_async_global).
+        ptx::wait_ready(params.user_ready + tile.partial_tile, 1);
         ptx::fence_async_global();
       }
       ptx::bulk_load(&stage,
@@ -289,21 +310,27 @@ struct LceSm90Kernel {
     return is_user_unit(params, unit) ? 0 : kPartialSteps;
   }
 
+  __device__ static int held_stages_of(bool user) {
+    return user ? kPartialSteps : kConsumerWarpgroups;
+  }
+  __device__ static int num_held_stages(const Params& params, int unit) {
+    return held_stages_of(is_user_unit(params, unit));
+  }
+  __device__ static int num_held_stages(const Params&, const Tile& tile) {
+    return held_stages_of(tile.user);
+  }
+
   // A step of the user partial: this thread's quads of it added to the
   // accumulators.
   __device__ static void load_registers(const Params&, int, int, const Stage& stage, int step,
                                         Accumulators& accumulators, int consumer) {
     float* acc = accumulators.values;
-    // Fragment order: the float4 of quad j of consumer thread t sits at
-    // (j * kConsumerThreads + t) * 16 bytes, so a warp reads 512
-    // contiguous bytes per quad, free of bank conflicts.
     const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
-    const auto* partial =
-        reinterpret_cast<const float4*>(&stage) + consumer * kWarpgroupThreads + thread;
+    const auto* image = reinterpret_cast<const float4*>(&stage);
 #pragma unroll
     for (int quad = 0; quad < kQuads; ++quad) {
       if (quad / kQuadsPerPartialStep == step) {
-        const float4 value = partial[quad % kQuadsPerPartialStep * kConsumerThreads];
+        const float4 value = image[image_offset(quad, consumer, thread)];
         acc[4 * quad] += value.x;
         acc[4 * quad + 1] += value.y;
         acc[4 * quad + 2] += value.z;
@@ -334,77 +361,93 @@ struct LceSm90Kernel {
     ptx::fence_operands(accumulators.values);
   }
 
+  using Held = sm90::HeldStages<LceSm90Kernel>;
+
+  // The epilogue, into the held stages (the storer writes them out).
   __device__ static void finish(const Params& params, int unit, int rank,
-                                Accumulators& accumulators, SharedStorage& shared, int consumer) {
+                                Accumulators& accumulators, SharedStorage&, int consumer,
+                                const Held& held) {
     float* acc = accumulators.values;
     ptx::fence_operands(accumulators.values);
     const Tile tile = tile_at(params, unit, rank);
     const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
-    const std::uint32_t barrier_id = 1 + consumer;
 
     if (tile.user) {
-      // P in fragment order: this thread's float4 of quad j at
-      // (j * kConsumerThreads + consumer * 128 + thread) * 16 bytes.
-      float* partial = params.user_partials + tile.partial_tile * kTileElements +
-                       4 * (consumer * kWarpgroupThreads + thread);
 #pragma unroll
       for (int quad = 0; quad < kQuads; ++quad) {
-        *reinterpret_cast<float4*>(partial + quad * 4 * kConsumerThreads) =
+        auto* image = reinterpret_cast<float4*>(&held[quad / kQuadsPerPartialStep]);
+        image[image_offset(quad, consumer, thread)] =
             make_float4(acc[4 * quad], acc[4 * quad + 1], acc[4 * quad + 2], acc[4 * quad + 3]);
       }
-      ptx::fence_async_global();  // candidate units read P with TMA
-      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
-      if (thread == 0) ptx::signal_ready(params.user_ready + tile.partial_tile);
       return;
     }
 
-    const int n0 = tile.n_block * kBlockN + consumer * kWarpgroupBlockN;
-    if (n0 >= params.n) return;  // a block past N (padding of the last N block pair)
-    // stmatrix.x4 over register quads j and j+1 stores four 8x8 blocks:
-    // (n rows g, g+8 of this warp) x (m columns of quads j, j+1),
-    // transposed so that each stored row is one m with 8 consecutive n.
-    // Lane l addresses row l % 8 of block l / 8. Staging rows are 128
-    // bytes (64 n); the 16-byte chunk c of row m sits at c ^ (m % 8).
+    // A block past N (padding of the last N block pair) stores nothing.
+    if (tile.n_block * kBlockN + consumer * kWarpgroupBlockN >= params.n) return;
+    // Round, and stage this warpgroup's 64 n x 224 m as rows of M with N
+    // contiguous (128 bytes, 128-byte swizzled: the 16-byte chunk c of row
+    // m at c ^ (m % 8), as the TMA store expects, and free of bank
+    // conflicts). stmatrix.x4 over register quads j and j+1 stores four 8x8
+    // blocks, (n rows g, g+8 of this warp) x (m columns of quads j, j+1),
+    // transposed; lane l addresses row l % 8 of block l / 8.
     const int warp = thread / 32, lane = thread % 32;
     const int block = lane / 8, block_row = lane % 8;
     const int n_chunk = 2 * warp + block % 2;
-    const std::uint32_t lane_offset =
-        block_row * kSwizzleRowBytes + ((n_chunk ^ block_row) << 4);
-    // The previous unit's stores have long finished reading the buffers.
-    if (thread == 0) ptx::bulk_wait_group_read<0>();
-    ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
+    const std::uint32_t staging_address = ptx::shared_address(&held[consumer]) +
+                                          block_row * kSwizzleRowBytes +
+                                          ((n_chunk ^ block_row) << 4);
 #pragma unroll
-    for (int store = 0; store < kStores; ++store) {
-      // Rows past M: neither this store nor the later ones (a skipped store
-      // would also break the count of stores in flight).
-      const int m0 = tile.m_block * kBlockM + store * kStagingRows;
-      if (m0 >= params.m) break;
-      Element* staging = shared.out[consumer][store % kStagingBuffers];
-      const std::uint32_t staging_address = ptx::shared_address(staging) + lane_offset;
-#pragma unroll
-      for (int pair = 0; pair < kQuadsPerStore; pair += 2) {
-        const int quad = store * kQuadsPerStore + pair;
-        const int m_row = 8 * (pair + block / 2);  // first staged row of this lane's block
-        ptx::stmatrix_x4_trans(staging_address + m_row * kSwizzleRowBytes,
-                               ptx::pack_pair<Element>(acc[4 * quad], acc[4 * quad + 1]),
-                               ptx::pack_pair<Element>(acc[4 * quad + 2], acc[4 * quad + 3]),
-                               ptx::pack_pair<Element>(acc[4 * quad + 4], acc[4 * quad + 5]),
-                               ptx::pack_pair<Element>(acc[4 * quad + 6], acc[4 * quad + 7]));
-      }
-      ptx::fence_async_shared();
-      // The next store refills the buffer of store - 2: at most one store
-      // (store - 1) may still be reading.
-      if (thread == 0) ptx::bulk_wait_group_read<kStagingBuffers - 2>();
-      ptx::named_barrier_sync<kWarpgroupThreads>(barrier_id);
-      if (thread == 0) {
-        ptx::tma_store(&params.out, n0, m0, tile.batch, staging);
-        ptx::bulk_commit_group();
-      }
+    for (int quad = 0; quad < kQuads; quad += 2) {
+      const int m_row = 8 * (quad + block / 2);  // first staged row of this lane's block
+      ptx::stmatrix_x4_trans(staging_address + m_row * kSwizzleRowBytes,
+                             ptx::pack_pair<Element>(acc[4 * quad], acc[4 * quad + 1]),
+                             ptx::pack_pair<Element>(acc[4 * quad + 2], acc[4 * quad + 3]),
+                             ptx::pack_pair<Element>(acc[4 * quad + 4], acc[4 * quad + 5]),
+                             ptx::pack_pair<Element>(acc[4 * quad + 6], acc[4 * quad + 7]));
     }
   }
 
-  __device__ static void drain(SharedStorage&, int) {
-    if (threadIdx.x % kWarpgroupThreads == 0) ptx::bulk_wait_group<0>();
+  // The storer (one producer thread): what finish staged, out of the held
+  // stages, each stage released once its copy has read it.
+  __device__ static void store_held(const Params& params, const Tile& tile, int,
+                                    const Held& held) {
+    if (tile.user) {
+      // P, one bulk copy per step image; flagged ready once it is written.
+      auto* partial =
+          reinterpret_cast<char*>(params.user_partials + tile.partial_tile * kTileElements);
+#pragma unroll
+      for (int step = 0; step < kPartialSteps; ++step) {
+        ptx::bulk_store(partial + std::int64_t{step} * kQuadsPerPartialStep * kQuadBytes,
+                        &held[step],
+                        static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes));
+        ptx::bulk_commit_group();
+      }
+      ptx::bulk_wait_group_read<2>();
+      held.release(0);
+      ptx::bulk_wait_group_read<1>();
+      held.release(1);
+      ptx::bulk_wait_group_read<0>();
+      held.release(2);
+      ptx::bulk_wait_group<0>();
+      ptx::fence_async_global();  // candidate units read P with TMA after the flag
+      ptx::signal_ready(params.user_ready + tile.partial_tile);
+      return;
+    }
+    // The output: one TMA store per consumer warpgroup (rows past M and
+    // columns past N clipped).
+#pragma unroll
+    for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
+      const int n0 = tile.n_block * kBlockN + consumer * kWarpgroupBlockN;
+      if (n0 < params.n) {
+        ptx::tma_store(&params.out, n0, tile.m_block * kBlockM, tile.batch, &held[consumer]);
+      }
+      ptx::bulk_commit_group();
+    }
+    static_assert(kConsumerWarpgroups == 2, "the releases below follow two stores");
+    ptx::bulk_wait_group_read<1>();
+    held.release(0);
+    ptx::bulk_wait_group_read<0>();
+    held.release(1);
   }
 };
 
@@ -515,14 +558,16 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   const WeightTensorMaps::Boxes& weights = plan.weight_maps->with_rows(kWeightRowsPerCta);
   params.user_weights = weights.user;
   params.candidate_weights = weights.candidate;
-  params.out = batched_map<Element>(args.out, args.n, plan.m, args.num_candidates, kStagingRows);
+  params.out = batched_map<Element>(args.out, args.n, plan.m, args.num_candidates, kBlockM);
   auto* workspace = static_cast<char*>(args.workspace);
   params.user_partials = reinterpret_cast<float*>(workspace);
   params.user_ready = reinterpret_cast<int*>(workspace + layout.partial_bytes);
   params.cand_to_user = args.map->device_view.cand_to_user;
   params.m = static_cast<int>(plan.m);
   params.n = static_cast<int>(args.n);
-  params.user_k_steps = k_steps(plan.ku);
+  // At least one k-step per held stage of a user unit (k-steps past K
+  // read zeros).
+  params.user_k_steps = std::max(k_steps(plan.ku), Kernel::kPartialSteps);
   params.candidate_k_steps = k_steps(plan.kc);
   params.n_blocks = static_cast<int>(grid.n_blocks);
   params.m_blocks = static_cast<int>(grid.m_blocks);

@@ -102,6 +102,27 @@
 //         producer still fills the ring in k-step order, so a kernel may
 //         hold at most kStages k-steps at once.
 //     drain(shared, consumer) runs after it, as before.
+//
+//   Held stages (the pipeline's own consumer loop, no per-unit operands):
+//     kMaxHeldStages > 0 and num_held_stages(params, unit) (by index and
+//     by UnitInfo, as num_k_steps) -> h <= kMaxHeldStages: the unit's last
+//     h k-steps (register steps included) keep their stages once the
+//     consumers are done with them, as the epilogue's staging, so that its
+//     stores drain while the next unit's main loop runs. Both consumer
+//     warpgroups first meet at named barrier kHeldStagesBarrier (neither
+//     reads those stages any more); finish then takes a HeldStages
+//     (held[i], i < h, in k-step order) and writes what is to be stored
+//     into them. After that one thread of producer warp 1, the storer,
+//     calls
+//       store_held(params, info, rank, held)  copy the stages out with bulk
+//         or TMA stores issued by this thread, and hand each back with
+//         held.release(i) once no store reads it any more
+//         (bulk_wait_group_read); it may also wait for the stores to
+//         complete and then tell other CTAs (a ready flag).
+//     The storer waits for its stores to complete before it exits. Two
+//     barriers carry the hand-over, one phase per unit with held stages:
+//       held_full   one arrival per consumer warp: finish has written them;
+//       held_empty  the storer's arrival: it has taken them over.
 #pragma once
 
 #include <cstddef>
@@ -142,6 +163,7 @@ template <int kStages, int kUnitStages = 0>
 struct PipelineBarriers {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  std::uint64_t held_full, held_empty;
   std::uint64_t unit_full[kUnitStages];
   std::uint64_t unit_empty[kUnitStages];
 };
@@ -150,6 +172,7 @@ template <int kStages>
 struct PipelineBarriers<kStages, 0> {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  std::uint64_t held_full, held_empty;
 };
 
 // The optional parts of a Kernel (see the header comment), with defaults.
@@ -161,6 +184,19 @@ constexpr int unit_stages() {
     return 0;
   }
 }
+
+template <class Kernel>
+constexpr int max_held_stages() {
+  if constexpr (requires { Kernel::kMaxHeldStages; }) {
+    return Kernel::kMaxHeldStages;
+  } else {
+    return 0;
+  }
+}
+
+// The named barrier at which the consumer warpgroups meet before an
+// epilogue writes into held stages (kernels number theirs below it).
+inline constexpr int kHeldStagesBarrier = 15;
 
 template <class Kernel>
 constexpr bool owns_consumer_loop() {
@@ -204,6 +240,31 @@ __device__ __forceinline__ void release_stage(std::uint64_t* empty, int stage) {
     ptx::mbarrier_arrive(&empty[stage]);
   }
 }
+
+// The stages a unit's epilogue holds (see the header comment): held[i] is
+// the stage of the unit's i-th held k-step. release(i), by one thread,
+// hands stage i back for all consumer warps of this CTA.
+template <class Kernel>
+struct HeldStages {
+  static constexpr int kConsumerWarps = Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup;
+  using Stage = typename Kernel::Stage;
+  Stage* stages;
+  std::uint64_t* empty;
+  int first;  // stage of held[0]
+
+  __device__ __forceinline__ int index(int i) const { return (first + i) % Kernel::kStages; }
+  __device__ __forceinline__ Stage& operator[](int i) const { return stages[index(i)]; }
+  __device__ __forceinline__ void release(int i) const {
+    if constexpr (Kernel::kClusterSize > 1) {
+#pragma unroll
+      for (int target = 0; target < Kernel::kClusterSize; ++target) {
+        ptx::remote_mbarrier_arrive(&empty[index(i)], target, kConsumerWarps);
+      }
+    } else {
+      ptx::mbarrier_arrive(&empty[index(i)], kConsumerWarps);
+    }
+  }
+};
 
 // A position in the ring: the stage, and the parity of the ring's current
 // pass (the phase a waiter expects to complete next).
@@ -285,8 +346,13 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   constexpr int kStages = Kernel::kStages;
   constexpr int kClusterSize = Kernel::kClusterSize;
   constexpr int kUnitStages = unit_stages<Kernel>();
+  constexpr int kMaxHeldStages = max_held_stages<Kernel>();
+  constexpr int kConsumerWarps = Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup;
   static_assert(kUnitStages == 0 || kClusterSize == 1,
                 "per-unit operands are implemented for single-CTA kernels only");
+  static_assert(kMaxHeldStages == 0 || (kUnitStages == 0 && !owns_consumer_loop<Kernel>()),
+                "held stages take the pipeline's own consumer loop and producer warp 1");
+  static_assert(kMaxHeldStages < kStages, "a held unit must leave a stage to the next one");
   // setmaxnreg only moves registers within the CTA's launch allocation (one
   // CTA per SM: the register file split evenly, in steps of 8 per thread);
   // an increase past it waits forever.
@@ -299,8 +365,11 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(&barriers.full[stage], 1);
-      ptx::mbarrier_init(&barriers.empty[stage],
-                         kClusterSize * Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup);
+      ptx::mbarrier_init(&barriers.empty[stage], kClusterSize * kConsumerWarps);
+    }
+    if constexpr (kMaxHeldStages > 0) {
+      ptx::mbarrier_init(&barriers.held_full, kConsumerWarps);
+      ptx::mbarrier_init(&barriers.held_empty, 1);
     }
     if constexpr (kUnitStages > 0) {
       for (int slot = 0; slot < kUnitStages; ++slot) {
@@ -347,6 +416,28 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         return;
       }
     }
+    if constexpr (kMaxHeldStages > 0) {
+      if (threadIdx.x == 32) {
+        // The storer: follows the loader's walk a unit at a time, keeping
+        // only the stage that comes next in the ring.
+        int next_stage = 0;
+        std::uint32_t phase = 0;
+        for (int unit = first_unit; unit < num_units; unit += unit_step) {
+          const auto info = describe_unit<Kernel>(params, unit);
+          next_stage = (next_stage + Kernel::num_k_steps(params, info)) % kStages;
+          const int held = Kernel::num_held_stages(params, info);
+          if (held == 0) continue;
+          ptx::mbarrier_wait(&barriers.held_full, phase);
+          ptx::mbarrier_arrive(&barriers.held_empty);
+          phase ^= 1;
+          const int first_held = (next_stage + kStages - held) % kStages;
+          Kernel::store_held(params, info, rank,
+                             HeldStages<Kernel>{shared.stages, barriers.empty, first_held});
+        }
+        ptx::bulk_wait_group<0>();
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     // Parity of the previous pass: a fresh ring's stages count as released.
     const auto wait_released = [&](const PipelineState<kStages>& state) {
@@ -389,6 +480,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   } else {
     const auto release = [&](int stage) { release_stage<kClusterSize>(barriers.empty, stage); };
     PipelineState<kStages> state;
+    std::uint32_t held_phase = 0;
     typename Kernel::Accumulators accumulators{};
     for (int unit = first_unit; unit < num_units; unit += unit_step) {
       const int k_steps = Kernel::num_k_steps(params, unit);
@@ -396,20 +488,25 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
       if constexpr (Kernel::kMaxRegisterSteps > 0) {
         register_steps = Kernel::num_register_steps(params, unit);
       }
+      int held = 0;
+      if constexpr (kMaxHeldStages > 0) held = Kernel::num_held_stages(params, unit);
+      // k-steps below this one hand their stage back; the rest are held.
+      const int released_steps = k_steps - held;
+      const int main_steps = k_steps - register_steps;
       int previous_stage = -1;
-      for (int k_step = 0; k_step < k_steps - register_steps; ++k_step) {
+      for (int k_step = 0; k_step < main_steps; ++k_step) {
         ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
         Kernel::compute(params, unit, rank, shared.stages[state.stage], k_step, accumulators,
                         consumer);
         // One group stays in flight: the k-step just issued. The one before
         // has retired, so its stage goes back to the producers.
         ptx::wgmma_wait<1>();
-        if (previous_stage >= 0) release(previous_stage);
+        if (previous_stage >= 0 && k_step - 1 < released_steps) release(previous_stage);
         previous_stage = state.stage;
         state.advance();
       }
       ptx::wgmma_wait<0>();
-      if (previous_stage >= 0) release(previous_stage);
+      if (previous_stage >= 0 && main_steps - 1 < released_steps) release(previous_stage);
       // Register steps come last, once no wgmma is in flight: ptxas
       // serializes every wgmma of a kernel in which ordinary instructions
       // may write accumulators under a running wgmma.
@@ -420,17 +517,36 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
           ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
           Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
                                  accumulators, consumer);
-          // The next write into this stage is a copy by the async proxy:
-          // order every lane's ordinary loads before it (proxy fence), and
-          // before its warp's arrival, made by lane 0 with release semantics
-          // (__syncwarp).
-          ptx::fence_async_shared();
-          __syncwarp();
-          release(state.stage);
+          if (main_steps + step < released_steps) {
+            // The next write into this stage is a copy by the async proxy:
+            // order every lane's ordinary loads before it (proxy fence), and
+            // before its warp's arrival, made by lane 0 with release
+            // semantics (__syncwarp).
+            ptx::fence_async_shared();
+            __syncwarp();
+            release(state.stage);
+          }
           state.advance();
         }
       }
-      Kernel::finish(params, unit, rank, accumulators, shared, consumer);
+      if constexpr (kMaxHeldStages > 0) {
+        const HeldStages<Kernel> held_stages{shared.stages, barriers.empty,
+                                             (state.stage + kStages - held) % kStages};
+        if (held > 0) ptx::named_barrier_sync<kConsumerWarps * 32>(kHeldStagesBarrier);
+        Kernel::finish(params, unit, rank, accumulators, shared, consumer, held_stages);
+        if (held > 0) {
+          // The storer's copies read what finish wrote (async proxy).
+          ptx::fence_async_shared();
+          __syncwarp();
+          if (threadIdx.x % 32 == 0) {
+            ptx::mbarrier_wait(&barriers.held_empty, held_phase ^ 1);
+            ptx::mbarrier_arrive(&barriers.held_full);
+          }
+          held_phase ^= 1;
+        }
+      } else {
+        Kernel::finish(params, unit, rank, accumulators, shared, consumer);
+      }
     }
     drain_consumer<Kernel>(shared, consumer);
   }
