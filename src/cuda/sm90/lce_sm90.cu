@@ -59,7 +59,7 @@
 //
 // Epilogues through held stages (pipeline.cuh): a unit keeps the stages of
 // its last k-steps and stages its stores there, and the pipeline's storer
-// thread (a producer warp) writes them out while the consumers go on with
+// (one producer thread) writes them out while the consumers go on with
 // the next unit. A candidate unit rounds its tile and transposes it with
 // stmatrix.trans into the stages of its last two P steps (per consumer
 // warpgroup 224 rows of M with 64 N contiguous, 128-byte swizzled: free of
@@ -195,7 +195,7 @@ struct LceSm90Kernel {
   // Where a consumer thread keeps quad `quad` of its tile in that quad's
   // step image ([consumer warpgroup][quad of the step][thread], float4
   // units): a warp reads or writes 512 contiguous bytes per quad, free of
-  // bank conflicts, and each warpgroup's part of a step is contiguous.
+  // bank conflicts.
   __device__ static int image_offset(int quad, int consumer, int thread) {
     const int step = quad / kQuadsPerPartialStep;
     return (consumer * partial_step_quads(step) + quad % kQuadsPerPartialStep) *
