@@ -151,6 +151,10 @@ inline constexpr int kWarpsPerWarpgroup = 4;
 template <class Kernel>
 inline constexpr int kPipelineThreads = kWarpgroupThreads * (1 + Kernel::kConsumerWarpgroups);
 
+// The warps that arrive on a stage's empty barrier, per CTA.
+template <class Kernel>
+inline constexpr int kConsumerWarps = Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup;
+
 // Shared-memory tiles start on the 128-byte swizzle's 1024-byte atoms; the
 // dynamic shared memory is over-allocated by one atom to align the storage.
 inline constexpr int kSharedAlignment = 1024;
@@ -246,7 +250,6 @@ __device__ __forceinline__ void release_stage(std::uint64_t* empty, int stage) {
 // hands stage i back for all consumer warps of this CTA.
 template <class Kernel>
 struct HeldStages {
-  static constexpr int kConsumerWarps = Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup;
   using Stage = typename Kernel::Stage;
   Stage* stages;
   std::uint64_t* empty;
@@ -258,10 +261,10 @@ struct HeldStages {
     if constexpr (Kernel::kClusterSize > 1) {
 #pragma unroll
       for (int target = 0; target < Kernel::kClusterSize; ++target) {
-        ptx::remote_mbarrier_arrive(&empty[index(i)], target, kConsumerWarps);
+        ptx::remote_mbarrier_arrive(&empty[index(i)], target, kConsumerWarps<Kernel>);
       }
     } else {
-      ptx::mbarrier_arrive(&empty[index(i)], kConsumerWarps);
+      ptx::mbarrier_arrive(&empty[index(i)], kConsumerWarps<Kernel>);
     }
   }
 };
@@ -347,7 +350,6 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   constexpr int kClusterSize = Kernel::kClusterSize;
   constexpr int kUnitStages = unit_stages<Kernel>();
   constexpr int kMaxHeldStages = max_held_stages<Kernel>();
-  constexpr int kConsumerWarps = Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup;
   static_assert(kUnitStages == 0 || kClusterSize == 1,
                 "per-unit operands are implemented for single-CTA kernels only");
   static_assert(kMaxHeldStages == 0 || (kUnitStages == 0 && !owns_consumer_loop<Kernel>()),
@@ -365,10 +367,10 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(&barriers.full[stage], 1);
-      ptx::mbarrier_init(&barriers.empty[stage], kClusterSize * kConsumerWarps);
+      ptx::mbarrier_init(&barriers.empty[stage], kClusterSize * kConsumerWarps<Kernel>);
     }
     if constexpr (kMaxHeldStages > 0) {
-      ptx::mbarrier_init(&barriers.held_full, kConsumerWarps);
+      ptx::mbarrier_init(&barriers.held_full, kConsumerWarps<Kernel>);
       ptx::mbarrier_init(&barriers.held_empty, 1);
     }
     if constexpr (kUnitStages > 0) {
@@ -532,7 +534,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
       if constexpr (kMaxHeldStages > 0) {
         const HeldStages<Kernel> held_stages{shared.stages, barriers.empty,
                                              (state.stage + kStages - held) % kStages};
-        if (held > 0) ptx::named_barrier_sync<kConsumerWarps * 32>(kHeldStagesBarrier);
+        if (held > 0) ptx::named_barrier_sync<kConsumerWarps<Kernel> * 32>(kHeldStagesBarrier);
         Kernel::finish(params, unit, rank, accumulators, shared, consumer, held_stages);
         if (held > 0) {
           // The storer's copies read what finish wrote (async proxy).
