@@ -37,8 +37,8 @@
 //              past S arrive as zeros, the next user is never read) or a
 //              3-D map {D, H, rows} (jagged: keys past the user's end are
 //              the next user's rows, or zeros past the tensor).
-//   Q ring     2 slots of one unit's 128 x D query tile plus the element
-//              offset of each row in q/out (-1: past the user's rows).
+//   Q ring     2 slots of one unit's 128 x D query tile plus the row of
+//              q/out that each tile row is (-1: past the user's rows).
 //              Query rows come from several candidates, so producer warps
 //              1-2 gather them with 16-byte cp.async (rows past the user's
 //              rows zero-filled), wait, fence.proxy.async (wgmma reads
@@ -224,7 +224,7 @@ struct AttentionSm90Kernel {
   };
   struct alignas(kSharedAlignment) UnitStage {
     Element q[kColumnBlocks][kBlockM * kSwizzleElements];  // [d block][row][64]; later O
-    std::int64_t row_offsets[kBlockM];                     // element offset in q/out, -1: none
+    std::int32_t row_heads[kBlockM];  // the row of q/out as [B * n_seed * H][D], -1: none
   };
   struct SharedStorage {
     Stage stages[kStages];
@@ -307,27 +307,36 @@ struct AttentionSm90Kernel {
   }
 
   // Warps 1-2 of the producer (loader 0 .. 63): warp w gathers rows
-  // 64w .. 64w + 63 of the tile. Each lane finds the offsets of two rows;
-  // the warp then copies kChunksPerRow / 32-row passes, lane l moving chunk
-  // l % kChunksPerRow of a row, so each cp.async instruction reads whole
-  // contiguous rows.
-  __device__ static void load_unit(const Params& params, const UnitInfo& info, int,
-                                   UnitStage& unit_stage, int loader) {
-    const int warp = loader / 32, lane = loader % 32;
-    const int first = warp * kWarpgroupRows;
-    const auto* q = static_cast<const Element*>(params.q);
-    const auto row_offset = [&](int row) -> std::int64_t {
+  // 64w .. 64w + 63 of the tile. Each lane finds the rows of q that two
+  // tile rows are (before the slot is free: a dependent load of the
+  // candidate map); the warp then copies kChunksPerRow / 32-row passes,
+  // lane l moving chunk l % kChunksPerRow of a row, so each cp.async
+  // instruction reads whole contiguous rows.
+  struct UnitRows {
+    std::int32_t low, high;  // row_heads of tile rows 64w + l and 64w + 32 + l
+  };
+
+  __device__ static UnitRows prepare_unit(const Params& params, const UnitInfo& info,
+                                          int loader) {
+    const int first = loader / 32 * kWarpgroupRows + loader % 32;
+    const auto row_head = [&](int row) -> std::int32_t {
       if (row >= info.rows) return -1;
       const std::int64_t user_row = info.first_row + row;
       const std::int64_t candidate =
           params.candidates_by_user[info.group_begin + user_row / params.n_seed];
-      return ((candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head) *
-             kHeadDim;
+      return static_cast<std::int32_t>(
+          (candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head);
     };
-    const std::int64_t low_offset = row_offset(first + lane);
-    const std::int64_t high_offset = row_offset(first + 32 + lane);
-    unit_stage.row_offsets[first + lane] = low_offset;
-    unit_stage.row_offsets[first + 32 + lane] = high_offset;
+    return {row_head(first), row_head(first + 32)};
+  }
+
+  __device__ static void load_unit(const Params& params, const UnitInfo&, int,
+                                   const UnitRows& rows, UnitStage& unit_stage, int loader) {
+    const int warp = loader / 32, lane = loader % 32;
+    const int first = warp * kWarpgroupRows;
+    const auto* q = static_cast<const Element*>(params.q);
+    unit_stage.row_heads[first + lane] = rows.low;
+    unit_stage.row_heads[first + 32 + lane] = rows.high;
 
     constexpr int kRowsPerPass = 32 / kChunksPerRow;
     const int chunk = lane % kChunksPerRow;
@@ -336,11 +345,10 @@ struct AttentionSm90Kernel {
     for (int pass = 0; pass < kWarpgroupRows / kRowsPerPass; ++pass) {
       const int local = pass * kRowsPerPass + lane / kChunksPerRow;
       // Every lane of a pass reads from the same half (rows below or above 32).
-      const std::int64_t offset =
-          __shfl_sync(kFullWarp, local < 32 ? low_offset : high_offset, local % 32);
-      const bool valid = offset >= 0;
+      const std::int32_t row = __shfl_sync(kFullWarp, local < 32 ? rows.low : rows.high, local % 32);
+      const bool valid = row >= 0;
       ptx::cp_async_16(tile + tile_offset<kBlockM>(first + local, chunk),
-                       valid ? q + offset + chunk * 8 : q, valid);
+                       valid ? q + std::int64_t{row} * kHeadDim + chunk * 8 : q, valid);
     }
     ptx::cp_async_commit();
     ptx::cp_async_wait<0>();
@@ -721,9 +729,9 @@ struct AttentionSm90Kernel {
       const int index = pass * kWarpgroupThreads + thread;
       const int row = consumer * kWarpgroupRows + index / kChunksPerRow;
       const int chunk = index % kChunksPerRow;
-      const std::int64_t offset = unit_stage.row_offsets[row];
-      if (offset >= 0) {
-        *reinterpret_cast<uint4*>(out + offset + chunk * 8) =
+      const std::int32_t row_head = unit_stage.row_heads[row];
+      if (row_head >= 0) {
+        *reinterpret_cast<uint4*>(out + std::int64_t{row_head} * kHeadDim + chunk * 8) =
             *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
       }
     }
@@ -905,7 +913,10 @@ bool attention_sm90_supported(const AttentionArgs& args) {
       args.dense_seq_len > kInt32Max - kBlockN) {
     return false;
   }
-  if (args.num_candidates * args.n_seed > kInt32Max || unit_count(args) > kInt32Max) return false;
+  // Query rows (row_heads) and units are int32.
+  if (args.num_candidates * args.n_seed * args.heads > kInt32Max || unit_count(args) > kInt32Max) {
+    return false;
+  }
   return attention_sm90_available(args.map->device);
 }
 

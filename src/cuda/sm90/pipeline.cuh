@@ -76,10 +76,13 @@
 //       unit_full[s]   one arrival per loader thread: slot s is loaded;
 //       unit_empty[s]  one arrival per consumer thread: slot s is free.
 //     Warps 1 .. kUnitLoaderWarps of the producer warpgroup fill it: for
-//     each unit with has_unit_operands(params, info), they wait for a free
-//     slot, all call load_unit(params, info, rank, slot, loader_thread)
-//     (which returns once its writes are complete and fenced for the async
-//     proxy, e.g. cp.async.wait_all + fence.proxy.async), and arrive.
+//     each unit with has_unit_operands(params, info), each loader thread
+//     first calls prepare_unit(params, info, loader_thread) -> p (what
+//     needs no slot, e.g. the addresses to gather from: its latency then
+//     passes while the slot is still in use), waits for a free slot, calls
+//     load_unit(params, info, rank, p, slot, loader_thread) (which returns
+//     once its writes are complete and fenced for the async proxy, e.g.
+//     cp.async.wait_all + fence.proxy.async), and arrives.
 //     Single-CTA kernels only (kClusterSize == 1).
 //
 //   Kernel-owned consumer loop: kOwnsConsumerLoop = true replaces the
@@ -409,9 +412,10 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
           const auto info = describe_unit<Kernel>(params, unit);
           if (!Kernel::has_unit_operands(params, info)) continue;
+          const int loader = static_cast<int>(threadIdx.x) - 32;
+          const auto prepared = Kernel::prepare_unit(params, info, loader);
           ptx::mbarrier_wait(&barriers.unit_empty[slot.stage], slot.phase ^ 1);
-          Kernel::load_unit(params, info, rank, shared.unit_stages[slot.stage],
-                            static_cast<int>(threadIdx.x) - 32);
+          Kernel::load_unit(params, info, rank, prepared, shared.unit_stages[slot.stage], loader);
           ptx::mbarrier_arrive(&barriers.unit_full[slot.stage]);
           slot.advance();
         }
