@@ -345,7 +345,8 @@ struct AttentionSm90Kernel {
     for (int pass = 0; pass < kWarpgroupRows / kRowsPerPass; ++pass) {
       const int local = pass * kRowsPerPass + lane / kChunksPerRow;
       // Every lane of a pass reads from the same half (rows below or above 32).
-      const std::int32_t row = __shfl_sync(kFullWarp, local < 32 ? rows.low : rows.high, local % 32);
+      const std::int32_t row =
+          __shfl_sync(kFullWarp, local < 32 ? rows.low : rows.high, local % 32);
       const bool valid = row >= 0;
       ptx::cp_async_16(tile + tile_offset<kBlockM>(first + local, chunk),
                        valid ? q + std::int64_t{row} * kHeadDim + chunk * 8 : q, valid);
