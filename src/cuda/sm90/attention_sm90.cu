@@ -20,7 +20,8 @@
 // at least the ceil(count_u * n_seed / 128) tiles it needs (at most one
 // slot more: an empty unit, skipped in a few instructions), so a unit
 // finds its user by binary search over user_offsets with no per-call
-// table. Consecutive units are the heads and tiles of one user: the
+// table. The producer and the loaders decode each unit that way; the
+// consumers read the loaders' description from the unit's Q slot. Consecutive units are the heads and tiles of one user: the
 // persistent grid (CTA c takes units c, c + grid, ...) runs a user's units
 // side by side, and its K/V comes from DRAM once and from L2 after.
 //
@@ -37,8 +38,9 @@
 //              past S arrive as zeros, the next user is never read) or a
 //              3-D map {D, H, rows} (jagged: keys past the user's end are
 //              the next user's rows, or zeros past the tensor).
-//   Q ring     2 slots of one unit's 128 x D query tile plus the row of
-//              q/out that each tile row is (-1: past the user's rows).
+//   Q ring     2 slots of one unit's 128 x D query tile, the row of q/out
+//              that each tile row is (-1: past the user's rows) and the
+//              unit's description (every unit has a slot, empty or not).
 //              Query rows come from several candidates, so producer warps
 //              1-2 gather them with 16-byte cp.async (rows past the user's
 //              rows zero-filled), wait, fence.proxy.async (wgmma reads
@@ -162,7 +164,8 @@ struct AttentionSm90Params {
   float scale_log2;  // scale * log2(e)
 };
 
-// One unit, decoded once per role (AttentionSm90Kernel::describe).
+// One unit, decoded by the producer and by the loaders
+// (AttentionSm90Kernel::describe), which pass it on to the consumers.
 struct AttentionUnit {
   int head = 0;
   int user = 0;
@@ -225,6 +228,7 @@ struct AttentionSm90Kernel {
   struct alignas(kSharedAlignment) UnitStage {
     Element q[kColumnBlocks][kBlockM * kSwizzleElements];  // [d block][row][64]; later O
     std::int32_t row_heads[kBlockM];  // the row of q/out as [B * n_seed * H][D], -1: none
+    UnitInfo info;                    // the unit, as the loaders described it
   };
   struct SharedStorage {
     Stage stages[kStages];
@@ -279,10 +283,6 @@ struct AttentionSm90Kernel {
   // K_j is k-step 2j, V_j k-step 2j + 1.
   __device__ static int num_k_steps(const Params&, const UnitInfo& info) { return 2 * info.blocks; }
 
-  __device__ static bool has_unit_operands(const Params&, const UnitInfo& info) {
-    return info.rows > 0;
-  }
-
   // ---- producer ----
 
   // Every k-step fills its whole stage (keys past the end arrive as zeros).
@@ -330,9 +330,10 @@ struct AttentionSm90Kernel {
     return {row_head(first), row_head(first + 32)};
   }
 
-  __device__ static void load_unit(const Params& params, const UnitInfo&, int,
+  __device__ static void load_unit(const Params& params, const UnitInfo& info, int,
                                    const UnitRows& rows, UnitStage& unit_stage, int loader) {
     const int warp = loader / 32, lane = loader % 32;
+    if (loader == 0) unit_stage.info = info;
     const int first = warp * kWarpgroupRows;
     const auto* q = static_cast<const Element*>(params.q);
     unit_stage.row_heads[first + lane] = rows.low;
@@ -548,31 +549,36 @@ struct AttentionSm90Kernel {
       owed = false;
     };
     for (int unit = walk.first; unit < walk.count; unit += walk.step) {
-      const UnitInfo info = describe(params, unit);
-      if (info.rows > 0) {
-        const int slot = slots.acquire();
-        if (info.blocks > 0) {
-          main_loop(params, info, steps, shared, slot, consumer, registers, settle);
-          if constexpr (kLookahead) {
+      // Every unit has a slot, and its description comes with it: the
+      // loaders described the unit anyway, and the consumers' own binary
+      // search (dependent global loads) took ~1400 cycles at each unit
+      // boundary (H100, S = 512), on the critical path.
+      const int slot = slots.acquire();
+      const UnitInfo info = shared.unit_stages[slot].info;
+      if (info.blocks > 0) {
+        main_loop(params, info, steps, shared, slot, consumer, registers, settle);
+        if constexpr (kLookahead) {
 #pragma unroll
-            for (int i = 0; i < kOutRegisters; ++i) {
-              asm volatile("mov.b32 %0, %1;\n" : "=f"(owed_out[i]) : "f"(registers.out_acc[i]));
-            }
-            owed = true;
-            owed_slot = slot;
-            owed_row_sum[0] = registers.row_sum[0];
-            owed_row_sum[1] = registers.row_sum[1];
-          } else {
-            epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
-                     registers.row_sum, false);
-            slots.release();
+          for (int i = 0; i < kOutRegisters; ++i) {
+            asm volatile("mov.b32 %0, %1;\n" : "=f"(owed_out[i]) : "f"(registers.out_acc[i]));
           }
+          owed = true;
+          owed_slot = slot;
+          owed_row_sum[0] = registers.row_sum[0];
+          owed_row_sum[1] = registers.row_sum[1];
         } else {
-          settle();  // slots are released in order
-          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc, registers.row_sum,
-                   true);
+          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
+                   registers.row_sum, false);
           slots.release();
         }
+      } else {
+        // No keys (O = 0), or no query rows (an empty unit: nothing to store).
+        settle();  // slots are released in order
+        if (info.rows > 0) {
+          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
+                   registers.row_sum, true);
+        }
+        slots.release();
       }
       steps.advance(num_k_steps(params, info));
     }

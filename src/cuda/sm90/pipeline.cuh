@@ -76,8 +76,7 @@
 //       unit_full[s]   one arrival per loader thread: slot s is loaded;
 //       unit_empty[s]  one arrival per consumer thread: slot s is free.
 //     Warps 1 .. kUnitLoaderWarps of the producer warpgroup fill it: for
-//     each unit with has_unit_operands(params, info), each loader thread
-//     first calls prepare_unit(params, info, loader_thread) -> p (what
+//     each unit, each loader thread first calls prepare_unit(params, info, loader_thread) -> p (what
 //     needs no slot, e.g. the addresses to gather from: its latency then
 //     passes while the slot is still in use), waits for a free slot, calls
 //     load_unit(params, info, rank, p, slot, loader_thread) (which returns
@@ -94,8 +93,8 @@
 //     unit's epilogue):
 //       slots (UnitSlots): acquire() waits for the next per-unit slot in
 //         order and returns its index; release() frees the oldest acquired
-//         one (every consumer thread calls both, once per unit with
-//         has_unit_operands, in unit order; two may be held at once);
+//         one (every consumer thread calls both, once per unit, in unit
+//         order; two may be held at once);
 //       steps (ConsumerSteps): random access to the k-steps, relative to
 //         the current unit's first: wait(k) waits for k-step k and returns
 //         its stage (k may run past the unit into the next one's);
@@ -411,7 +410,6 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         PipelineState<kUnitStages> slot;
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
           const auto info = describe_unit<Kernel>(params, unit);
-          if (!Kernel::has_unit_operands(params, info)) continue;
           const int loader = static_cast<int>(threadIdx.x) - 32;
           const auto prepared = Kernel::prepare_unit(params, info, loader);
           ptx::mbarrier_wait(&barriers.unit_empty[slot.stage], slot.phase ^ 1);
