@@ -143,11 +143,10 @@ constexpr float kRescaleSlack = 8.0f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
-// barrier kTurnBarrier + w; its epilogue syncs on kEpilogueBarrier + w;
-// both sync on kTailBarrier after clearing a jagged tail block's V rows.
+// barrier kTurnBarrier + w; both consumers sync on kTailBarrier after
+// clearing a jagged tail block's V rows.
 constexpr std::uint32_t kTurnBarrier = 1;
-constexpr std::uint32_t kEpilogueBarrier = 3;
-constexpr std::uint32_t kTailBarrier = 5;
+constexpr std::uint32_t kTailBarrier = 3;
 constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 
 struct AttentionSm90Params {
@@ -691,8 +690,8 @@ struct AttentionSm90Kernel {
   }
 
   // Normalizes, rounds and stores this warpgroup's 64 rows: stmatrix into
-  // its own rows of the unit's Q slot (its QK^T products have retired; the
-  // other warpgroup reads only its own rows), then 16-byte chunks of the
+  // its own rows of the unit's Q slot (its QK^T products have retired; each
+  // warp reads back only the 16 rows it wrote), then 16-byte chunks of the
   // rows that exist.
   __device__ __forceinline__ static void epilogue(const Params& params, UnitStage& unit_stage,
                                                   int consumer, const float* out_acc,
@@ -728,18 +727,28 @@ struct AttentionSm90Kernel {
                        pair_at(2 * pair, 0), pair_at(2 * pair, 1), pair_at(2 * pair + 1, 0),
                        pair_at(2 * pair + 1, 1));
     }
-    ptx::named_barrier_sync<kWarpgroupThreads>(kEpilogueBarrier + consumer);
-    auto* out = static_cast<Element*>(params.out);
+    // Each warp stores the 16 rows it staged: a warp barrier, not a
+    // warpgroup one. All loads first, then the stores.
+    __syncwarp();
+    constexpr int kRowsPerPass = 32 / kChunksPerRow;
+    constexpr int kPasses = 16 / kRowsPerPass;
+    const int chunk = lane % kChunksPerRow;
     const auto* staged = reinterpret_cast<const unsigned char*>(unit_stage.q[0]);
+    std::int32_t row_heads[kPasses];
+    uint4 chunks[kPasses];
 #pragma unroll
-    for (int pass = 0; pass < kWarpgroupRows * kChunksPerRow / kWarpgroupThreads; ++pass) {
-      const int index = pass * kWarpgroupThreads + thread;
-      const int row = consumer * kWarpgroupRows + index / kChunksPerRow;
-      const int chunk = index % kChunksPerRow;
-      const std::int32_t row_head = unit_stage.row_heads[row];
-      if (row_head >= 0) {
-        *reinterpret_cast<uint4*>(out + std::int64_t{row_head} * kHeadDim + chunk * 8) =
-            *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = consumer * kWarpgroupRows + warp * 16 + pass * kRowsPerPass +
+                      lane / kChunksPerRow;
+      row_heads[pass] = unit_stage.row_heads[row];
+      chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
+    }
+    auto* out = static_cast<Element*>(params.out);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (row_heads[pass] >= 0) {
+        *reinterpret_cast<uint4*>(out + std::int64_t{row_heads[pass]} * kHeadDim + chunk * 8) =
+            chunks[pass];
       }
     }
   }
