@@ -18,12 +18,13 @@
 // numbered slot * H + head, and user u owns the slots
 //   [floor(user_offsets[u] * n_seed / 128) + u, that of u + 1),
 // at least the ceil(count_u * n_seed / 128) tiles it needs (at most one
-// slot more: an empty unit, skipped in a few instructions), so a unit
-// finds its user by binary search over user_offsets with no per-call
-// table. The producer and the loaders decode each unit that way; the
-// consumers read the loaders' description from the unit's Q slot. Consecutive units are the heads and tiles of one user: the
-// persistent grid (CTA c takes units c, c + grid, ...) runs a user's units
-// side by side, and its K/V comes from DRAM once and from L2 after.
+// slot more: an empty unit, which costs a zero-filled Q slot and no K/V),
+// so a unit finds its user by binary search over user_offsets with no
+// per-call table. The producer and the loaders decode each unit that way;
+// the consumers read the loaders' description from the unit's Q slot.
+// Consecutive units are the heads and tiles of one user: the persistent
+// grid (CTA c takes units c, c + grid, ...) runs a user's units side by
+// side, and its K/V comes from DRAM once and from L2 after.
 //
 // CTA = 3 warpgroups (pipeline.cuh): a producer, two consumers of 64 query
 // rows each. Shared memory, all tiles in the 128-byte swizzle (16-byte

@@ -76,12 +76,13 @@
 //       unit_full[s]   one arrival per loader thread: slot s is loaded;
 //       unit_empty[s]  one arrival per consumer thread: slot s is free.
 //     Warps 1 .. kUnitLoaderWarps of the producer warpgroup fill it: for
-//     each unit, each loader thread first calls prepare_unit(params, info, loader_thread) -> p (what
-//     needs no slot, e.g. the addresses to gather from: its latency then
-//     passes while the slot is still in use), waits for a free slot, calls
-//     load_unit(params, info, rank, p, slot, loader_thread) (which returns
-//     once its writes are complete and fenced for the async proxy, e.g.
-//     cp.async.wait_all + fence.proxy.async), and arrives.
+//     each unit, each loader thread first calls prepare_unit(params, info,
+//     loader_thread) -> p (what needs no slot, e.g. the addresses to gather
+//     from: its latency then passes while the slot is still in use), waits
+//     for a free slot, calls load_unit(params, info, rank, p, slot,
+//     loader_thread) (which returns once its writes are complete and
+//     fenced for the async proxy, e.g. cp.async.wait_all +
+//     fence.proxy.async), and arrives.
 //     Single-CTA kernels only (kClusterSize == 1).
 //
 //   Kernel-owned consumer loop: kOwnsConsumerLoop = true replaces the
