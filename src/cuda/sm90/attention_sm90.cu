@@ -702,6 +702,7 @@ struct AttentionSm90Kernel {
     // unit loop and spills them.
     const int thread = thread_index_here() % kWarpgroupThreads;
     const int warp = thread / 32, lane = thread % 32;
+    const int warp_rows = consumer * kWarpgroupRows + warp * 16;  // this warp's 16 tile rows
     float inverse_sum[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -715,7 +716,7 @@ struct AttentionSm90Kernel {
     // 2 * pair + i / 2; lane l addresses row l % 8 of matrix l / 8.
     const std::uint32_t tile = ptx::shared_address(unit_stage.q[0]);
     const int matrix = lane / 8;
-    const int lane_row = consumer * kWarpgroupRows + warp * 16 + (matrix % 2) * 8 + lane % 8;
+    const int lane_row = warp_rows + (matrix % 2) * 8 + lane % 8;
 #pragma unroll
     for (int pair = 0; pair < kHeadDim / 16; ++pair) {
       // Register 4 * group + r belongs to row half r / 2.
@@ -739,8 +740,7 @@ struct AttentionSm90Kernel {
     uint4 chunks[kPasses];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int row = consumer * kWarpgroupRows + warp * 16 + pass * kRowsPerPass +
-                      lane / kChunksPerRow;
+      const int row = warp_rows + pass * kRowsPerPass + lane / kChunksPerRow;
       row_heads[pass] = unit_stage.row_heads[row];
       chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
     }
