@@ -373,84 +373,6 @@ struct AttentionSm90Kernel {
     if (consumer == 0) turn_begin(consumer);  // the turn consumer 1 handed back last
   }
 
-  // One block's online softmax on this thread's scores: rows
-  // 16 * warp + lane / 4 (half 0) and + 8 (half 1), columns
-  // 8 * group + 2 * (lane % 4) + {0, 1} of register 4 * group + {0, 1}
-  // (half 0) and + {2, 3} (half 1). Replaces the scores by
-  // P = exp2(scale_log2 * score - row_max), sets the factor by which
-  // earlier results must be rescaled and returns whether any row of the
-  // warp has one other than 1. kMasked: keys >= valid_keys are excluded
-  // (P = 0).
-  template <bool kMasked>
-  __device__ __forceinline__ static bool online_softmax(float (&scores)[kScoreRegisters],
-                                                        float (&row_max)[2], float (&row_sum)[2],
-                                                        float (&correction)[2], float scale_log2,
-                                                        int valid_keys) {
-    const int column = 2 * (static_cast<int>(threadIdx.x) % 4);
-    const auto valid = [&](int index) {
-      return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
-    };
-    float extreme[2];
-    // Each half's extreme over the quad's valid scores, by `pick` from `start`.
-    const auto reduce = [&](auto pick, float start) {
-      extreme[0] = extreme[1] = start;
-#pragma unroll
-      for (int i = 0; i < kScoreRegisters; ++i) {
-        if (valid(i)) extreme[(i / 2) % 2] = pick(extreme[(i / 2) % 2], scores[i]);
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
-        extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
-      }
-    };
-    // max(scale * s) = scale * max(s) for scale >= 0, scale * min(s) otherwise.
-    if (scale_log2 >= 0.0f) {
-      reduce([](float a, float b) { return fmaxf(a, b); }, -INFINITY);
-    } else {
-      reduce([](float a, float b) { return fminf(a, b); }, INFINITY);
-    }
-    // Lazy rescaling: a warp keeps its rows' running maxima until a block's
-    // maximum exceeds one of them by more than kRescaleSlack (log2 units).
-    // P then stays at most 2^kRescaleSlack (exact range in fp16 and bf16,
-    // and the same relative rounding), and the block needs no rescaling of
-    // O: one multiply per O register saved on most blocks. The first block
-    // always rescales (from -inf; its correction exp2(-inf) is 0).
-    bool grows = false;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      grows = grows || extreme[half] * scale_log2 > row_max[half] + kRescaleSlack;
-    }
-    const bool rescale = __any_sync(kFullWarp, grows);
-    float negative_max[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (rescale) {
-        // Every block holds a valid key, so the new maximum is finite.
-        const float new_max = fmaxf(row_max[half], extreme[half] * scale_log2);
-        correction[half] = ptx::exp2_approx(row_max[half] - new_max);
-        row_max[half] = new_max;
-      } else {
-        correction[half] = 1.0f;
-      }
-      negative_max[half] = -row_max[half];
-    }
-    float block_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < kScoreRegisters; ++i) {
-      const int half = (i / 2) % 2;
-      float p = ptx::exp2_approx(fmaf(scores[i], scale_log2, negative_max[half]));
-      if constexpr (kMasked) p = valid(i) ? p : 0.0f;
-      scores[i] = p;
-      block_sum[half] += p;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      row_sum[half] = row_sum[half] * correction[half] + block_sum[half];
-    }
-    return rescale;
-  }
-
   // Registers of one consumer thread that live across units.
   struct ConsumerRegisters {
     float scores[kScoreRegisters];            // S of the current block, then its P in fp32
@@ -459,6 +381,103 @@ struct AttentionSm90Kernel {
     float row_max[2];  // log2 domain, scaled
     float row_sum[2];  // this thread's columns only until the epilogue
   };
+
+  // One block's online softmax on this thread's scores: rows
+  // 16 * warp + lane / 4 (half 0) and + 8 (half 1), columns
+  // 8 * group + 2 * (lane % 4) + {0, 1} of register 4 * group + {0, 1}
+  // (half 0) and + {2, 3} (half 1). Writes P = exp2(scale_log2 * score -
+  // row_max), rounded, into p_fragments (the A operand of the next PV; the
+  // previous one must have retired), keeps the scores, sets the factor by
+  // which earlier results must be rescaled and returns whether any row of
+  // the warp has one other than 1. kMasked: keys >= valid_keys are excluded
+  // (P = 0). kFirst: the unit's first block (no running maximum yet).
+  //
+  // Lazy rescaling: a warp keeps its rows' running maxima until a block's
+  // exponent (scale_log2 * score - row_max) exceeds kRescaleSlack in one of
+  // them. P then stays at most 2^kRescaleSlack (exact range in fp16 and
+  // bf16, and the same relative rounding), and the block needs no rescaling
+  // of O. The block's P is computed from the running maxima first and the
+  // exponents checked on the way, so the row maxima (a reduction across the
+  // quad) are not on the softmax's critical path; a block that fails the
+  // check (and the first, whose correction exp2(-inf) is 0) computes them
+  // and its P again.
+  template <bool kMasked, bool kFirst>
+  __device__ __forceinline__ static bool online_softmax(ConsumerRegisters& registers,
+                                                        float (&correction)[2], float scale_log2,
+                                                        int valid_keys) {
+    const int column = 2 * (static_cast<int>(threadIdx.x) % 4);
+    const auto valid = [&](int index) {
+      return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
+    };
+    float block_sum[2];
+    // P from the maxima in row_max; returns this thread's largest exponent.
+    const auto exponentiate = [&] {
+      float top[2] = {-INFINITY, -INFINITY};
+      block_sum[0] = block_sum[1] = 0.0f;
+#pragma unroll
+      for (int slice = 0; slice < kPvSlices; ++slice) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int half = i % 2, index = 8 * slice + 2 * i;
+          float p[2];
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float exponent =
+                valid(index + k)
+                    ? fmaf(registers.scores[index + k], scale_log2, -registers.row_max[half])
+                    : -INFINITY;
+            top[half] = fmaxf(top[half], exponent);
+            p[k] = ptx::exp2_approx(exponent);  // exp2(-inf) = 0
+            block_sum[half] += p[k];
+          }
+          registers.p_fragments[slice][i] = ptx::pack_pair<Element>(p[0], p[1]);
+        }
+      }
+      return fmaxf(top[0], top[1]);
+    };
+    if (!kFirst) {
+      const bool rescale = __any_sync(kFullWarp, exponentiate() > kRescaleSlack);
+      if (!rescale) {
+        correction[0] = correction[1] = 1.0f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) registers.row_sum[half] += block_sum[half];
+        return false;
+      }
+    }
+    // The rows' maxima over the quad's valid scores: max(scale * s) is
+    // scale * max(s) for scale >= 0, scale * min(s) otherwise.
+    float extreme[2];
+    const auto reduce = [&](auto pick, float start) {
+      extreme[0] = extreme[1] = start;
+#pragma unroll
+      for (int i = 0; i < kScoreRegisters; ++i) {
+        if (valid(i)) extreme[(i / 2) % 2] = pick(extreme[(i / 2) % 2], registers.scores[i]);
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
+        extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
+      }
+    };
+    if (scale_log2 >= 0.0f) {
+      reduce([](float a, float b) { return fmaxf(a, b); }, -INFINITY);
+    } else {
+      reduce([](float a, float b) { return fminf(a, b); }, INFINITY);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Every block holds a valid key, so the new maximum is finite.
+      const float new_max = fmaxf(registers.row_max[half], extreme[half] * scale_log2);
+      correction[half] = ptx::exp2_approx(registers.row_max[half] - new_max);
+      registers.row_max[half] = new_max;
+    }
+    exponentiate();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      registers.row_sum[half] = registers.row_sum[half] * correction[half] + block_sum[half];
+    }
+    return true;
+  }
 
   // S = Q K^T for this warpgroup's 64 rows of `unit_stage` and the K block
   // in `stage`, committed as one group. Q and K are K-major.
@@ -491,18 +510,6 @@ struct AttentionSm90Kernel {
           accumulate || slice > 0);
     }
     ptx::wgmma_commit_group();
-  }
-
-  // P in registers as the A operand of the next PV (see wgmma.cuh).
-  __device__ __forceinline__ static void convert(ConsumerRegisters& registers) {
-#pragma unroll
-    for (int slice = 0; slice < kPvSlices; ++slice) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        registers.p_fragments[slice][i] = ptx::pack_pair<Element>(
-            registers.scores[8 * slice + 2 * i], registers.scores[8 * slice + 2 * i + 1]);
-      }
-    }
   }
 
   __device__ __forceinline__ static void fence_pv_operands(ConsumerRegisters& registers) {
@@ -599,13 +606,12 @@ struct AttentionSm90Kernel {
     const UnitStage& unit_stage = shared.unit_stages[slot];
     float correction[2];
     // Returns whether O must be rescaled by `correction`.
-    const auto softmax = [&](int block) {
+    const auto softmax = [&](auto first, int block) {
+      constexpr bool kFirst = decltype(first)::value;
       if (block == blocks - 1 && tail_keys < kBlockN) {
-        return online_softmax<true>(registers.scores, registers.row_max, registers.row_sum,
-                                    correction, scale_log2, tail_keys);
+        return online_softmax<true, kFirst>(registers, correction, scale_log2, tail_keys);
       }
-      return online_softmax<false>(registers.scores, registers.row_max, registers.row_sum,
-                                   correction, scale_log2, kBlockN);
+      return online_softmax<false, kFirst>(registers, correction, scale_log2, kBlockN);
     };
 
     // Block 0: S = Q K_0^T, softmax.
@@ -622,11 +628,13 @@ struct AttentionSm90Kernel {
       ptx::wgmma_wait<0>();
       ptx::fence_operands(registers.scores);
       steps.release(k_stage);
-      softmax(0);
-      convert(registers);
+      softmax(std::true_type{}, 0);
     }
-    // Block j: S = Q K_j^T and O += P_{j-1} V_{j-1} in flight together;
-    // the softmax of block j runs while the PV product does.
+    // Block j: S = Q K_j^T and O += P_{j-1} V_{j-1} issued together. The
+    // tensor pipe accepts a warpgroup's wgmmas about as fast as it runs them,
+    // so both have (nearly) retired when the issue returns: the softmax
+    // overlaps the other warpgroup's products, and writes P_j in place of
+    // P_{j-1}.
     for (int block = 1; block < blocks; ++block) {
       const int k_stage = steps.wait(2 * block);
       const int v_stage = steps.wait(2 * block - 1);
@@ -637,19 +645,15 @@ struct AttentionSm90Kernel {
       issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
       issue_pv(registers, shared.stages[v_stage], block > 1);  // PV_0 starts O
       turn_end(consumer);
-      ptx::wgmma_wait<1>();  // S retired, PV may still run
-      ptx::fence_operands(registers.scores);
-      steps.release(k_stage);
-      const bool rescale = softmax(block);
       ptx::wgmma_wait<0>();
-      // Until here the PV product owned out_acc and read p_fragments.
+      ptx::fence_operands(registers.scores);
       fence_pv_operands(registers);
+      steps.release(k_stage);
       steps.release(v_stage);
-      if (rescale) {
+      if (softmax(std::false_type{}, block)) {
 #pragma unroll
         for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
       }
-      convert(registers);
     }
     // O += P_{n-1} V_{n-1}.
     const int v_stage = steps.wait(2 * blocks - 1);
