@@ -57,8 +57,10 @@
 // Consumer warpgroup, per unit (64 rows, K/V blocks j = 0 .. n-1):
 //   S = Q K_0^T (wgmma m64n128k16, both operands in shared memory);
 //   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and O += P V_{j-1}
-//   (wgmma with P as the register A operand, V MN-major), wait for S,
-//   softmax(S) while the PV product runs, wait for it, rescale O; finally
+//   (wgmma with P as the register A operand, V MN-major), wait for both
+//   (the tensor pipe takes a warpgroup's wgmmas about as fast as it runs
+//   them, so little is left of them by then), softmax(S) while the other
+//   warpgroup's products run, rescale O if a row's maximum grew; finally
 //   O += P V_{n-1} and the epilogue. O is started by the unit's first PV
 //   product (scale-d = 0), never zeroed by ordinary instructions (see the
 //   look-ahead below). The online softmax runs in fp32 on exp2 with
@@ -75,8 +77,8 @@
 //
 // The consumer loop is the kernel's own (pipeline.cuh's kernel-owned
 // loop): it walks the CTA's units, acquires each unit's Q slot, waits for
-// and releases K/V k-steps out of ring order (K_j is released as soon as
-// S_j retired, V_{j-1} once P_{j-1} V_{j-1} did).
+// and releases K/V k-steps out of ring order (K_j and V_{j-1} once S_j and
+// P_{j-1} V_{j-1} retired).
 //
 // Look-ahead (the *_lookahead schedules): a unit's epilogue is deferred
 // until the next unit's first QK^T has been issued, so the tensor cores
@@ -138,9 +140,10 @@ constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;  // 8-row swizzle ato
 constexpr int kWgmmaK = 16;
 constexpr int kElementBytes = 2;
 constexpr double kLog2e = 1.4426950408889634;
-// Lazy rescaling (online_softmax): how far, in log2 units, a block's maximum
-// may exceed a row's running maximum before O is rescaled.
-constexpr float kRescaleSlack = 8.0f;
+// Lazy rescaling (online_softmax): how large the sum of a block's P over a
+// thread's part of a row may grow before the row's maximum is raised and O
+// rescaled.
+constexpr float kRescaleLimit = 256.0f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
@@ -392,15 +395,15 @@ struct AttentionSm90Kernel {
   // the warp has one other than 1. kMasked: keys >= valid_keys are excluded
   // (P = 0). kFirst: the unit's first block (no running maximum yet).
   //
-  // Lazy rescaling: a warp keeps its rows' running maxima until a block's
-  // exponent (scale_log2 * score - row_max) exceeds kRescaleSlack in one of
-  // them. P then stays at most 2^kRescaleSlack (exact range in fp16 and
-  // bf16, and the same relative rounding), and the block needs no rescaling
-  // of O. The block's P is computed from the running maxima first and the
-  // exponents checked on the way, so the row maxima (a reduction across the
-  // quad) are not on the softmax's critical path; a block that fails the
-  // check (and the first, whose correction exp2(-inf) is 0) computes them
-  // and its P again.
+  // Lazy rescaling: a warp keeps its rows' running maxima while a block's P,
+  // computed from them, sums to at most kRescaleLimit over each thread's
+  // part of each row. P then stays at most kRescaleLimit (exact range in
+  // fp16 and bf16, and the same relative rounding), and the block needs no
+  // rescaling of O. The check rides on the row sums the softmax needs
+  // anyway, so neither the row maxima (a reduction across the quad) nor any
+  // other pass over the scores is on the softmax's critical path; a block
+  // that fails it (and the first, whose correction exp2(-inf) is 0)
+  // computes the maxima and its P again.
   template <bool kMasked, bool kFirst>
   __device__ __forceinline__ static bool online_softmax(ConsumerRegisters& registers,
                                                         float (&correction)[2], float scale_log2,
@@ -410,9 +413,8 @@ struct AttentionSm90Kernel {
       return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
     };
     float block_sum[2];
-    // P from the maxima in row_max; returns this thread's largest exponent.
+    // P and its sums from the maxima in row_max.
     const auto exponentiate = [&] {
-      float top[2] = {-INFINITY, -INFINITY};
       block_sum[0] = block_sum[1] = 0.0f;
 #pragma unroll
       for (int slice = 0; slice < kPvSlices; ++slice) {
@@ -426,17 +428,17 @@ struct AttentionSm90Kernel {
                 valid(index + k)
                     ? fmaf(registers.scores[index + k], scale_log2, -registers.row_max[half])
                     : -INFINITY;
-            top[half] = fmaxf(top[half], exponent);
             p[k] = ptx::exp2_approx(exponent);  // exp2(-inf) = 0
             block_sum[half] += p[k];
           }
           registers.p_fragments[slice][i] = ptx::pack_pair<Element>(p[0], p[1]);
         }
       }
-      return fmaxf(top[0], top[1]);
     };
     if (!kFirst) {
-      const bool rescale = __any_sync(kFullWarp, exponentiate() > kRescaleSlack);
+      exponentiate();
+      const bool rescale =
+          __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
       if (!rescale) {
         correction[0] = correction[1] = 1.0f;
 #pragma unroll
@@ -448,13 +450,19 @@ struct AttentionSm90Kernel {
     // scale * max(s) for scale >= 0, scale * min(s) otherwise.
     float extreme[2];
     const auto reduce = [&](auto pick, float start) {
-      extreme[0] = extreme[1] = start;
+      // Four chains per row half: the first block's maxima are on the critical path.
+      float chains[2][4];
+#pragma unroll
+      for (int chain = 0; chain < 4; ++chain) chains[0][chain] = chains[1][chain] = start;
 #pragma unroll
       for (int i = 0; i < kScoreRegisters; ++i) {
-        if (valid(i)) extreme[(i / 2) % 2] = pick(extreme[(i / 2) % 2], registers.scores[i]);
+        float& chain = chains[(i / 2) % 2][(i / 4) % 4];
+        if (valid(i)) chain = pick(chain, registers.scores[i]);
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        extreme[half] = pick(pick(chains[half][0], chains[half][1]),
+                             pick(chains[half][2], chains[half][3]));
         extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 1));
         extreme[half] = pick(extreme[half], __shfl_xor_sync(kFullWarp, extreme[half], 2));
       }
