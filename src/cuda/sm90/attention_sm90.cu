@@ -38,7 +38,9 @@
 //              keys(, 1 user)} through a 4-D map {D, H, S, U} (dense: keys
 //              past S arrive as zeros, the next user is never read) or a
 //              3-D map {D, H, rows} (jagged: keys past the user's end are
-//              the next user's rows, or zeros past the tensor).
+//              the next user's rows, or zeros past the tensor; producer
+//              warp 3, the pipeline's fixer, clears those rows of a user's
+//              last V block before the consumers read it).
 //   Q ring     2 slots of one unit's 128 x D query tile, the row of q/out
 //              that each tile row is (-1: past the user's rows) and the
 //              unit's description (every unit has a slot, empty or not).
@@ -68,10 +70,9 @@
 //   taken on raw scores (their minimum when the scale is negative); keys
 //   past the user's length are excluded from it and get P = 0 exactly, so
 //   a block of the next user's keys (or TMA's zeros) never contributes, and
-//   a user without keys gets O = 0 (never NaN). (A non-finite V value among
-//   the next user's first 127 rows of a jagged tensor would still turn into
-//   NaN through 0 * Inf: the next user's rows are read, as in
-//   FlashAttention's varlen path.) P is rounded to the input type for PV,
+//   a user without keys gets O = 0 (never NaN), and the next user's V rows
+//   in a jagged user's last block are zeros by the time PV reads them (0 *
+//   Inf would be NaN). P is rounded to the input type for PV,
 //   as in FlashAttention and the portable kernel; O is normalized and
 //   rounded once.
 //
@@ -147,10 +148,8 @@ constexpr float kRescaleLimit = 256.0f;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
-// barrier kTurnBarrier + w; both consumers sync on kTailBarrier after
-// clearing a jagged tail block's V rows.
+// barrier kTurnBarrier + w.
 constexpr std::uint32_t kTurnBarrier = 1;
-constexpr std::uint32_t kTailBarrier = 3;
 constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 
 struct AttentionSm90Params {
@@ -212,6 +211,7 @@ struct AttentionSm90Kernel {
   static constexpr int kUnitStages = 2;
   static constexpr int kUnitLoaderWarps = 2;
   static constexpr bool kOwnsConsumerLoop = true;
+  static constexpr bool kFixUpWarp = true;
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
@@ -609,7 +609,7 @@ struct AttentionSm90Kernel {
                                                    int consumer, ConsumerRegisters& registers,
                                                    AfterFirstIssue&& after_first_issue) {
     const int blocks = info.blocks;
-    const int tail_keys = info.kv_length - (blocks - 1) * kBlockN;  // 1 .. 128
+    const int tail_keys = last_block_keys(info);
     const float scale_log2 = params.scale_log2;
     const UnitStage& unit_stage = shared.unit_stages[slot];
     float correction[2];
@@ -665,9 +665,7 @@ struct AttentionSm90Kernel {
     }
     // O += P_{n-1} V_{n-1}.
     const int v_stage = steps.wait(2 * blocks - 1);
-    if (params.kv_offsets != nullptr && tail_keys < kBlockN) {
-      clear_tail_rows(shared.stages[v_stage], tail_keys, consumer);
-    }
+    if (fix_up_step(params, info, 2 * blocks - 1)) steps.wait_fixed(v_stage);
     turn_begin(consumer);
     ptx::fence_operands(registers.out_acc);
     ptx::wgmma_fence();
@@ -678,28 +676,33 @@ struct AttentionSm90Kernel {
     steps.release(v_stage);
   }
 
+  // ---- the fixer (producer warp 3) ----
+
   // Jagged K/V: the rows of a user's last block past its keys are the next
-  // user's. Their P is 0, but 0 * Inf is NaN, so both consumer warpgroups
-  // zero those V rows (a row of a 64-wide column block is 128 contiguous
-  // bytes; the swizzle only permutes its 16-byte chunks) before either
-  // issues the block's PV. Dense K/V needs none of this: the tensor map
-  // zero-fills keys past S.
-  __device__ __forceinline__ static void clear_tail_rows(Stage& stage, int tail_keys,
-                                                         int consumer) {
+  // user's. Their P is 0, but 0 * Inf is NaN, so the fixer zeros those V
+  // rows (a row of a 64-wide column block is 128 contiguous bytes; the
+  // swizzle only permutes its 16-byte chunks) once the block has landed,
+  // and the consumers wait for it before the block's PV. Dense K/V needs
+  // none of this: the tensor map zero-fills keys past S.
+  __device__ static int last_block_keys(const UnitInfo& info) {
+    return info.kv_length - (info.blocks - 1) * kBlockN;  // 1 .. 128
+  }
+
+  __device__ static bool fix_up_step(const Params& params, const UnitInfo& info, int k_step) {
+    return params.kv_offsets != nullptr && k_step == 2 * info.blocks - 1 &&
+           last_block_keys(info) < kBlockN;
+  }
+
+  __device__ static void fix_up(const Params&, const UnitInfo& info, int, Stage& stage,
+                                int lane) {
+    const int keys = last_block_keys(info);
     constexpr int kChunksPerBlockRow = kSwizzleRowBytes / 16;
-    const int chunks = (kBlockN - tail_keys) * kChunksPerBlockRow;
-    const int thread = consumer * kWarpgroupThreads + thread_index_here() % kWarpgroupThreads;
+    const int chunks = (kBlockN - keys) * kChunksPerBlockRow;
 #pragma unroll
     for (int block = 0; block < kColumnBlocks; ++block) {
-      auto* rows = reinterpret_cast<uint4*>(stage.tile[block] + tail_keys * kSwizzleElements);
-      for (int chunk = thread; chunk < chunks; chunk += kConsumerThreads) {
-        rows[chunk] = make_uint4(0, 0, 0, 0);
-      }
+      auto* rows = reinterpret_cast<uint4*>(stage.tile[block] + keys * kSwizzleElements);
+      for (int chunk = lane; chunk < chunks; chunk += 32) rows[chunk] = make_uint4(0, 0, 0, 0);
     }
-    // The zeros must be visible to the wgmma (async proxy) of both
-    // warpgroups.
-    ptx::fence_async_shared();
-    ptx::named_barrier_sync<kConsumerThreads>(kTailBarrier);
   }
 
   // Normalizes, rounds and stores this warpgroup's 64 rows: stmatrix into

@@ -106,6 +106,23 @@
 //         hold at most kStages k-steps at once.
 //     drain(shared, consumer) runs after it, as before.
 //
+//   Stage fix-ups (with a kernel-owned consumer loop and per-unit
+//     operands): kFixUpWarp = true makes producer warp kUnitLoaderWarps + 1,
+//     the fixer, one more reader of every k-step: it waits for each stage
+//     in ring order and, where fix_up_step(params, info, k_step) says so,
+//     calls
+//       fix_up(params, info, k_step, stage, lane)  the whole warp: amend
+//         the landed stage with ordinary stores (e.g. clear rows that must
+//         not reach the product);
+//     then fences the stage for the async proxy, arrives on fixed[s] and
+//     releases the stage like a consumer warp (empty[s] counts it too, so
+//     the ring never laps the fixer and its parity waits stay exact). A
+//     consumer reads an amended stage only after steps.wait_fixed(stage),
+//     at the k-steps where fix_up_step holds.
+//       fixed[s]   one arrival (the fixer's lane 0): stage s is amended.
+//     The next amendment of stage s needs its next load, which needs the
+//     consumers' release, so fixed[s] never completes a phase ahead of them.
+//
 //   Held stages (the pipeline's own consumer loop, no per-unit operands):
 //     kMaxHeldStages > 0 and num_held_stages(params, unit) (by index and
 //     by UnitInfo, as num_k_steps) -> h <= kMaxHeldStages: the unit's last
@@ -170,6 +187,7 @@ template <int kStages, int kUnitStages = 0>
 struct PipelineBarriers {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  std::uint64_t fixed[kStages];
   std::uint64_t held_full, held_empty;
   std::uint64_t unit_full[kUnitStages];
   std::uint64_t unit_empty[kUnitStages];
@@ -179,6 +197,7 @@ template <int kStages>
 struct PipelineBarriers<kStages, 0> {
   std::uint64_t full[kStages];
   std::uint64_t empty[kStages];
+  std::uint64_t fixed[kStages];
   std::uint64_t held_full, held_empty;
 };
 
@@ -209,6 +228,15 @@ template <class Kernel>
 constexpr bool owns_consumer_loop() {
   if constexpr (requires { Kernel::kOwnsConsumerLoop; }) {
     return Kernel::kOwnsConsumerLoop;
+  } else {
+    return false;
+  }
+}
+
+template <class Kernel>
+constexpr bool has_fix_up_warp() {
+  if constexpr (requires { Kernel::kFixUpWarp; }) {
+    return Kernel::kFixUpWarp;
   } else {
     return false;
   }
@@ -288,13 +316,15 @@ struct PipelineState {
 };
 
 // A consumer's random access to the k-steps of its current unit (kernels
-// that own their consumer loop). `first` is the ring position of the
-// unit's k-step 0.
+// that own their consumer loop; the fixer's too). `first` is the ring
+// position of the unit's k-step 0.
 template <int kStages, int kClusterSize>
 struct ConsumerSteps {
   std::uint64_t* full;
   std::uint64_t* empty;
+  std::uint64_t* fixed;
   PipelineState<kStages> first;
+  std::uint32_t fixed_phases = 0;  // bit s: the phase of fixed[s] awaited next
 
   // Waits until k-step `k_step` of the unit has landed; returns its stage.
   __device__ __forceinline__ int wait(int k_step) const {
@@ -308,6 +338,13 @@ struct ConsumerSteps {
   __device__ __forceinline__ void release(int stage) const {
     release_stage<kClusterSize>(empty, stage);
   }
+
+  // Waits until the fixer has amended `stage` (see stage fix-ups).
+  __device__ __forceinline__ void wait_fixed(int stage) {
+    ptx::mbarrier_wait(&fixed[stage], (fixed_phases >> stage) & 1u);
+    fixed_phases ^= 1u << stage;
+  }
+
 
   // Moves past a unit of `k_steps` k-steps.
   __device__ __forceinline__ void advance(int k_steps) {
@@ -370,7 +407,9 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(&barriers.full[stage], 1);
-      ptx::mbarrier_init(&barriers.empty[stage], kClusterSize * kConsumerWarps<Kernel>);
+      ptx::mbarrier_init(&barriers.empty[stage],
+                         kClusterSize * kConsumerWarps<Kernel> + (has_fix_up_warp<Kernel>() ? 1 : 0));
+      if constexpr (has_fix_up_warp<Kernel>()) ptx::mbarrier_init(&barriers.fixed[stage], 1);
     }
     if constexpr (kMaxHeldStages > 0) {
       ptx::mbarrier_init(&barriers.held_full, kConsumerWarps<Kernel>);
@@ -405,8 +444,33 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   if (warpgroup == 0) {
     ptx::setmaxnreg_decrease<Kernel::kProducerRegisters>();
     read_walk();
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    if constexpr (has_fix_up_warp<Kernel>()) {
+      static_assert(owns_consumer_loop<Kernel>() && kUnitStages > 0 && kClusterSize == 1 &&
+                        Kernel::kUnitLoaderWarps + 1 < kWarpsPerWarpgroup,
+                    "the fixer is the producer warp after the loaders of per-unit operands");
+      if (warp == Kernel::kUnitLoaderWarps + 1) {
+        const int lane = static_cast<int>(threadIdx.x) % 32;
+        PipelineState<kStages> state;
+        for (int unit = first_unit; unit < num_units; unit += unit_step) {
+          const auto info = describe_unit<Kernel>(params, unit);
+          const int k_steps = Kernel::num_k_steps(params, info);
+          for (int k_step = 0; k_step < k_steps; ++k_step) {
+            ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
+            if (Kernel::fix_up_step(params, info, k_step)) {
+              Kernel::fix_up(params, info, k_step, shared.stages[state.stage], lane);
+              ptx::fence_async_shared();  // the consumers' wgmmas read it
+              __syncwarp();
+              if (lane == 0) ptx::mbarrier_arrive(&barriers.fixed[state.stage]);
+            }
+            if (lane == 0) ptx::mbarrier_arrive(&barriers.empty[state.stage]);
+            state.advance();
+          }
+        }
+        return;
+      }
+    }
     if constexpr (kUnitStages > 0) {
-      const int warp = static_cast<int>(threadIdx.x) / 32;
       if (warp >= 1 && warp <= Kernel::kUnitLoaderWarps) {
         PipelineState<kUnitStages> slot;
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
@@ -477,7 +541,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   const int consumer = warpgroup - 1;
   if constexpr (owns_consumer_loop<Kernel>()) {
     static_assert(kUnitStages > 0, "a kernel-owned consumer loop takes per-unit operands");
-    ConsumerSteps<kStages, kClusterSize> steps{barriers.full, barriers.empty, {}};
+    ConsumerSteps<kStages, kClusterSize> steps{barriers.full, barriers.empty, barriers.fixed, {}};
     UnitSlots<kUnitStages> slots{barriers.unit_full, barriers.unit_empty, {}, {}};
     const UnitWalk walk{first_unit, unit_step, num_units};
     Kernel::consume(params, rank, walk, slots, steps, shared, consumer);
