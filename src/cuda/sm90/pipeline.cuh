@@ -202,45 +202,24 @@ struct PipelineBarriers<kStages, 0> {
 };
 
 // The optional parts of a Kernel (see the header comment), with defaults.
-template <class Kernel>
-constexpr int unit_stages() {
-  if constexpr (requires { Kernel::kUnitStages; }) {
-    return Kernel::kUnitStages;
-  } else {
-    return 0;
+#define IKBO_PIPELINE_OPTION(function, member, default_value) \
+  template <class Kernel>                                     \
+  constexpr auto function() {                                 \
+    if constexpr (requires { Kernel::member; }) {             \
+      return Kernel::member;                                  \
+    } else {                                                  \
+      return default_value;                                   \
+    }                                                         \
   }
-}
-
-template <class Kernel>
-constexpr int max_held_stages() {
-  if constexpr (requires { Kernel::kMaxHeldStages; }) {
-    return Kernel::kMaxHeldStages;
-  } else {
-    return 0;
-  }
-}
+IKBO_PIPELINE_OPTION(unit_stages, kUnitStages, 0)
+IKBO_PIPELINE_OPTION(max_held_stages, kMaxHeldStages, 0)
+IKBO_PIPELINE_OPTION(owns_consumer_loop, kOwnsConsumerLoop, false)
+IKBO_PIPELINE_OPTION(has_fix_up_warp, kFixUpWarp, false)
+#undef IKBO_PIPELINE_OPTION
 
 // The named barrier at which the consumer warpgroups meet before an
 // epilogue writes into held stages (kernels number theirs below it).
 inline constexpr int kHeldStagesBarrier = 15;
-
-template <class Kernel>
-constexpr bool owns_consumer_loop() {
-  if constexpr (requires { Kernel::kOwnsConsumerLoop; }) {
-    return Kernel::kOwnsConsumerLoop;
-  } else {
-    return false;
-  }
-}
-
-template <class Kernel>
-constexpr bool has_fix_up_warp() {
-  if constexpr (requires { Kernel::kFixUpWarp; }) {
-    return Kernel::kFixUpWarp;
-  } else {
-    return false;
-  }
-}
 
 template <class Kernel>
 using KernelBarriers = PipelineBarriers<Kernel::kStages, unit_stages<Kernel>()>;
