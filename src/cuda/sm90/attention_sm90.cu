@@ -378,7 +378,7 @@ struct AttentionSm90Kernel {
 
   // Registers of one consumer thread that live across units.
   struct ConsumerRegisters {
-    float scores[kScoreRegisters];            // S of the current block, then its P in fp32
+    float scores[kScoreRegisters];            // S of the current block
     std::uint32_t p_fragments[kPvSlices][4];  // P rounded, the A operand of PV
     float out_acc[kOutRegisters];
     float row_max[2];  // log2 domain, scaled

@@ -8,9 +8,10 @@
 // and hand it back. Two mbarriers per stage carry the handshake:
 //   full[s]   one arrival (the producer's expect_tx) plus the stage's TMA
 //             bytes: stage s holds the operands of its k-step;
-//   empty[s]  one arrival per consumer warp of every CTA in the cluster,
-//             made once the wgmmas that read stage s have retired: stage s
-//             may be overwritten.
+//   empty[s]  one arrival per consumer warp of every CTA in the cluster
+//             (and the fixer's, see stage fix-ups below), made once the
+//             wgmmas that read stage s have retired: stage s may be
+//             overwritten.
 // Both sides walk the ring in the same order, each with its own
 // PipelineState (stage, phase parity); the barriers are all they share.
 //
@@ -324,7 +325,6 @@ struct ConsumerSteps {
     fixed_phases ^= 1u << stage;
   }
 
-
   // Moves past a unit of `k_steps` k-steps.
   __device__ __forceinline__ void advance(int k_steps) {
     const int position = first.stage + k_steps;
@@ -386,8 +386,8 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(&barriers.full[stage], 1);
-      ptx::mbarrier_init(&barriers.empty[stage],
-                         kClusterSize * kConsumerWarps<Kernel> + (has_fix_up_warp<Kernel>() ? 1 : 0));
+      constexpr int kFixers = has_fix_up_warp<Kernel>() ? 1 : 0;
+      ptx::mbarrier_init(&barriers.empty[stage], kClusterSize * kConsumerWarps<Kernel> + kFixers);
       if constexpr (has_fix_up_warp<Kernel>()) ptx::mbarrier_init(&barriers.fixed[stage], 1);
     }
     if constexpr (kMaxHeldStages > 0) {
