@@ -305,6 +305,7 @@ struct ConsumerSteps {
   std::uint64_t* fixed;
   PipelineState<kStages> first;
   std::uint32_t fixed_phases = 0;  // bit s: the phase of fixed[s] awaited next
+  static_assert(kStages <= 32, "fixed_phases holds one bit per stage");
 
   // Waits until k-step `k_step` of the unit has landed; returns its stage.
   __device__ __forceinline__ int wait(int k_step) const {
