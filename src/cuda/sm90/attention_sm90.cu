@@ -487,14 +487,33 @@ struct AttentionSm90Kernel {
     return true;
   }
 
-  // S = Q K^T for this warpgroup's 64 rows of `unit_stage` and the K block
-  // in `stage`, committed as one group. Q and K are K-major.
+  // The operand descriptors of a unit: this warpgroup's 64 rows of Q, and
+  // stage 0's K (K-major) and V (MN-major: d contiguous, its 64-wide d
+  // blocks kBlockN rows apart); stage s's are sizeof(Stage) * s further on.
+  struct Descriptors {
+    std::uint64_t q, k, v;
+    __device__ __forceinline__ Descriptors(const SharedStorage& shared, int slot, int consumer)
+        : q(ptx::wgmma_descriptor_sw128(
+              shared.unit_stages[slot].q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16,
+              kAtomBytes)),
+          k(ptx::wgmma_descriptor_sw128(shared.stages[0].tile[0], 16, kAtomBytes)),
+          v(ptx::wgmma_descriptor_sw128(shared.stages[0].tile[0], kBlockN * kSwizzleRowBytes,
+                                        kAtomBytes)) {}
+    __device__ __forceinline__ std::uint64_t k_at(int stage) const {
+      return ptx::advance_descriptor(k, static_cast<std::uint32_t>(stage * sizeof(Stage)));
+    }
+    __device__ __forceinline__ std::uint64_t v_at(int stage) const {
+      return ptx::advance_descriptor(v, static_cast<std::uint32_t>(stage * sizeof(Stage)));
+    }
+  };
+
+  // S = Q K^T for this warpgroup's 64 rows and the K block of `k_stage`,
+  // committed as one group. Q and K are K-major.
   __device__ __forceinline__ static void issue_scores(ConsumerRegisters& registers,
-                                                      const UnitStage& unit_stage,
-                                                      const Stage& stage, int consumer) {
-    const std::uint64_t q_descriptor = ptx::wgmma_descriptor_sw128(
-        unit_stage.q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16, kAtomBytes);
-    const std::uint64_t k_descriptor = ptx::wgmma_descriptor_sw128(stage.tile[0], 16, kAtomBytes);
+                                                      const Descriptors& descriptors,
+                                                      int k_stage) {
+    const std::uint64_t q_descriptor = descriptors.q;
+    const std::uint64_t k_descriptor = descriptors.k_at(k_stage);
 #pragma unroll
     for (int slice = 0; slice < kQkSlices; ++slice) {
       ptx::wgmma_ss<Element, 0, 0, kBlockN>(
@@ -504,12 +523,11 @@ struct AttentionSm90Kernel {
     ptx::wgmma_commit_group();
   }
 
-  // O += P V for the V block in `stage` (MN-major: d contiguous, its 64-wide
-  // d blocks kBlockN rows apart), committed as one group.
-  __device__ __forceinline__ static void issue_pv(ConsumerRegisters& registers, const Stage& stage,
+  // O += P V for the V block of `v_stage`, committed as one group.
+  __device__ __forceinline__ static void issue_pv(ConsumerRegisters& registers,
+                                                  const Descriptors& descriptors, int v_stage,
                                                   bool accumulate) {
-    const std::uint64_t v_descriptor =
-        ptx::wgmma_descriptor_sw128(stage.tile[0], kBlockN * kSwizzleRowBytes, kAtomBytes);
+    const std::uint64_t v_descriptor = descriptors.v_at(v_stage);
 #pragma unroll
     for (int slice = 0; slice < kPvSlices; ++slice) {
       ptx::wgmma_rs<Element, 1, kHeadDim>(
@@ -611,7 +629,7 @@ struct AttentionSm90Kernel {
     const int blocks = info.blocks;
     const int tail_keys = last_block_keys(info);
     const float scale_log2 = params.scale_log2;
-    const UnitStage& unit_stage = shared.unit_stages[slot];
+    const Descriptors descriptors(shared, slot, consumer);
     float correction[2];
     // Returns whether O must be rescaled by `correction`.
     const auto softmax = [&](auto first, int block) {
@@ -628,7 +646,7 @@ struct AttentionSm90Kernel {
       turn_begin(consumer);
       ptx::fence_operands(registers.scores);
       ptx::wgmma_fence();
-      issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
+      issue_scores(registers, descriptors, k_stage);
       turn_end(consumer);
       after_first_issue();
       registers.row_max[0] = registers.row_max[1] = -INFINITY;
@@ -650,8 +668,8 @@ struct AttentionSm90Kernel {
       ptx::fence_operands(registers.scores);
       ptx::fence_operands(registers.out_acc);
       ptx::wgmma_fence();
-      issue_scores(registers, unit_stage, shared.stages[k_stage], consumer);
-      issue_pv(registers, shared.stages[v_stage], block > 1);  // PV_0 starts O
+      issue_scores(registers, descriptors, k_stage);
+      issue_pv(registers, descriptors, v_stage, block > 1);  // PV_0 starts O
       turn_end(consumer);
       ptx::wgmma_wait<0>();
       ptx::fence_operands(registers.scores);
@@ -669,7 +687,7 @@ struct AttentionSm90Kernel {
     turn_begin(consumer);
     ptx::fence_operands(registers.out_acc);
     ptx::wgmma_fence();
-    issue_pv(registers, shared.stages[v_stage], blocks > 1);
+    issue_pv(registers, descriptors, v_stage, blocks > 1);
     turn_end(consumer);
     ptx::wgmma_wait<0>();
     fence_pv_operands(registers);
