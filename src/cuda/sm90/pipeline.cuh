@@ -443,7 +443,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
               __syncwarp();
               if (lane == 0) ptx::mbarrier_arrive(&barriers.fixed[state.stage]);
             }
-            if (lane == 0) ptx::mbarrier_arrive(&barriers.empty[state.stage]);
+            release_stage<kClusterSize>(barriers.empty, state.stage);
             state.advance();
           }
         }
