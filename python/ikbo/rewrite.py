@@ -211,11 +211,16 @@ def _normalize_dim(dim: Any, ndim: int) -> int | None:
     return dim % ndim
 
 
+# torch.fx opcodes of the nodes that call nothing: graph inputs
+# ("placeholder") and module attributes read by the graph ("get_attr").
+_VALUE_OPS = ("placeholder", "get_attr")
+
+
 def _describe(node: Any) -> str:
     """How a node reads in the report: its name and what it calls."""
     if not isinstance(node, Node):
         return repr(node)
-    if node.op in ("placeholder", "get_attr"):
+    if node.op in _VALUE_OPS:
         return node.name
     if isinstance(node.target, str):
         target = node.target
@@ -682,7 +687,7 @@ def _in_place(node: Node, module: torch.nn.Module) -> bool:
 
 def _fresh(node: Node, module: torch.nn.Module) -> bool:
     """Whether ``node``'s result is known to share no storage with its operands."""
-    if node.op in ("placeholder", "get_attr", "output"):
+    if node.op in _VALUE_OPS or node.op == "output":  # nothing for the result to alias
         return True
     if _in_place(node, module):
         return False
