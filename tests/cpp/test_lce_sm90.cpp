@@ -135,6 +135,11 @@ class LceSm90Test : public testing::Test {
   }
 };
 
+// 300 work units, 140 of them user units: every cluster of the persistent
+// grid takes several, the stage ring wraps across units, and candidate
+// units wait for user units of later rounds.
+const LceShape kManyUnits{433, 136, 72, 256, 80, 70};
+
 const std::vector<LceCase>& sm90_cases() {
   static const std::vector<LceCase> cases = {
       {"reference_widths", {433, 866, 1178, 256, 8, 3}, MapOrder::unsorted},
@@ -149,10 +154,7 @@ const std::vector<LceCase>& sm90_cases() {
       // TMA's zero fill.
       {"one_candidate", {433, 866, 1178, 256, 1, 1}, MapOrder::sorted},
       {"k1_k17", {128, 1, 17, 256, 7, 3}, MapOrder::uneven_unsorted},
-      // 300 work units, 140 of them user units: every cluster of the
-      // persistent grid takes several, the stage ring wraps across units,
-      // and candidate units wait for user units of later rounds.
-      {"many_units", {433, 136, 72, 256, 80, 70}, MapOrder::uneven_unsorted},
+      {"many_units", kManyUnits, MapOrder::uneven_unsorted},
   };
   return cases;
 }
@@ -233,6 +235,20 @@ TEST_F(LceSm90Test, InfInTheNextCandidateOrUserNeverReachesOut) {
     EXPECT_TRUE(matches_reference(std::span(out).subspan(offset, output_size),
                                   std::span(expected).subspan(offset, output_size), dtype));
   }
+}
+
+// The long walk with ikbo's kernel alone (no cuBLAS comparison): the test
+// device-check runs under racecheck and synccheck, which report hazards in
+// cuBLAS's own kernels.
+TEST_F(LceSm90Test, LongWalkMatchesReferenceAndRepeatsBitwise) {
+  SeededRng rng;
+  const LceProblem problem =
+      random_problem(rng, DType::bf16, kManyUnits, MapOrder::uneven_unsorted);
+  ASSERT_TRUE(sm90_takes(problem.plan, problem.shape));
+  const Sm90Path on(true);
+  const std::vector<double> out = problem.run();
+  EXPECT_TRUE(matches_reference(out, problem.expected(), DType::bf16));
+  EXPECT_TRUE(exactly_equal(problem.run(), out)) << "two runs on identical inputs differ";
 }
 
 // N = 12 is not a multiple of 8 (TMA row strides are 16-byte multiples):

@@ -8,10 +8,15 @@
 // and hand it back. Two mbarriers per stage carry the handshake:
 //   full[s]   one arrival (the producer's expect_tx) plus the stage's TMA
 //             bytes: stage s holds the operands of its k-step;
-//   empty[s]  one arrival per consumer warp of every CTA in the cluster
-//             (and the fixer's, see stage fix-ups below), made once the
-//             wgmmas that read stage s have retired: stage s may be
-//             overwritten.
+//   empty[s]  32 arrivals per consumer warp of every CTA in the cluster
+//             (and the fixer's, see stage fix-ups below): stage s may be
+//             overwritten. A warp whose wgmmas read the stage arrives once
+//             they have retired, its leader for all 32 lanes; a warp that
+//             read it with ordinary loads (register steps) arrives lane by
+//             lane on its own CTA's barrier, so that each lane's release
+//             orders its own loads before the next copy (compute-sanitizer's
+//             racecheck follows those edges, not a warp barrier before a
+//             leader's arrival), and through its leader on the others'.
 // Both sides walk the ring in the same order, each with its own
 // PipelineState (stage, phase parity); the barriers are all they share.
 //
@@ -142,7 +147,7 @@
 //         complete and then tell other CTAs (a ready flag).
 //     The storer waits for its stores to complete before it exits. Two
 //     barriers carry the hand-over, one phase per unit with held stages:
-//       held_full   one arrival per consumer warp: finish has written them;
+//       held_full   one arrival per consumer thread: finish has written them;
 //       held_empty  the storer's arrival: it has taken them over.
 #pragma once
 
@@ -175,6 +180,9 @@ inline constexpr int kPipelineThreads = kWarpgroupThreads * (1 + Kernel::kConsum
 // The warps that arrive on a stage's empty barrier, per CTA.
 template <class Kernel>
 inline constexpr int kConsumerWarps = Kernel::kConsumerWarpgroups * kWarpsPerWarpgroup;
+
+// What one warp's release of a stage counts on its empty barrier.
+inline constexpr std::uint32_t kWarpArrivals = 32;
 
 // Shared-memory tiles start on the 128-byte swizzle's 1024-byte atoms; the
 // dynamic shared memory is over-allocated by one atom to align the storage.
@@ -240,19 +248,39 @@ __device__ __forceinline__ void drain_consumer(typename Kernel::SharedStorage& s
   if constexpr (requires { Kernel::drain(shared, consumer); }) Kernel::drain(shared, consumer);
 }
 
-// Hands stage `stage` back to the producers: one arrival per consumer warp
-// (by its leader) on the empty barrier of every CTA of the cluster. The
-// warp's wgmmas that read the stage must have retired.
+// Hands stage `stage` back to the producers: the warp's leader arrives for
+// it on the empty barrier of every CTA of the cluster. The warp's wgmmas
+// that read the stage must have retired.
 template <int kClusterSize>
 __device__ __forceinline__ void release_stage(std::uint64_t* empty, int stage) {
   if (threadIdx.x % 32 != 0) return;
   if constexpr (kClusterSize > 1) {
 #pragma unroll
     for (int target = 0; target < kClusterSize; ++target) {
-      ptx::remote_mbarrier_arrive(&empty[stage], target);
+      ptx::remote_mbarrier_arrive(&empty[stage], target, kWarpArrivals);
     }
   } else {
-    ptx::mbarrier_arrive(&empty[stage]);
+    ptx::mbarrier_arrive(&empty[stage], kWarpArrivals);
+  }
+}
+
+// The same for a stage this warp read with ordinary loads: the next write
+// into it is a copy by the async proxy, so each lane fences its loads for
+// it and arrives for itself on this CTA's barrier; the leader arrives for
+// the warp on the other CTAs' once every lane's loads are behind it
+// (__syncwarp).
+template <int kClusterSize>
+__device__ __forceinline__ void release_stage_after_loads(std::uint64_t* empty, int stage) {
+  ptx::fence_async_shared();
+  ptx::mbarrier_arrive(&empty[stage]);
+  if constexpr (kClusterSize > 1) {
+    __syncwarp();
+    if (threadIdx.x % 32 != 0) return;
+    const std::uint32_t own = ptx::cluster_rank();
+#pragma unroll
+    for (int target = 0; target < kClusterSize; ++target) {
+      if (target != own) ptx::remote_mbarrier_arrive(&empty[stage], target, kWarpArrivals);
+    }
   }
 }
 
@@ -265,6 +293,7 @@ struct HeldStages {
   Stage* stages;
   std::uint64_t* empty;
   int first;  // stage of held[0]
+  static constexpr std::uint32_t kStandsFor = kConsumerWarps<Kernel> * kWarpArrivals;
 
   __device__ __forceinline__ int index(int i) const { return (first + i) % Kernel::kStages; }
   __device__ __forceinline__ Stage& operator[](int i) const { return stages[index(i)]; }
@@ -272,10 +301,10 @@ struct HeldStages {
     if constexpr (Kernel::kClusterSize > 1) {
 #pragma unroll
       for (int target = 0; target < Kernel::kClusterSize; ++target) {
-        ptx::remote_mbarrier_arrive(&empty[index(i)], target, kConsumerWarps<Kernel>);
+        ptx::remote_mbarrier_arrive(&empty[index(i)], target, kStandsFor);
       }
     } else {
-      ptx::mbarrier_arrive(&empty[index(i)], kConsumerWarps<Kernel>);
+      ptx::mbarrier_arrive(&empty[index(i)], kStandsFor);
     }
   }
 };
@@ -388,11 +417,12 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     for (int stage = 0; stage < kStages; ++stage) {
       ptx::mbarrier_init(&barriers.full[stage], 1);
       constexpr int kFixers = has_fix_up_warp<Kernel>() ? 1 : 0;
-      ptx::mbarrier_init(&barriers.empty[stage], kClusterSize * kConsumerWarps<Kernel> + kFixers);
+      ptx::mbarrier_init(&barriers.empty[stage],
+                         (kClusterSize * kConsumerWarps<Kernel> + kFixers) * kWarpArrivals);
       if constexpr (has_fix_up_warp<Kernel>()) ptx::mbarrier_init(&barriers.fixed[stage], 1);
     }
     if constexpr (kMaxHeldStages > 0) {
-      ptx::mbarrier_init(&barriers.held_full, kConsumerWarps<Kernel>);
+      ptx::mbarrier_init(&barriers.held_full, Kernel::kConsumerWarpgroups * kWarpgroupThreads);
       ptx::mbarrier_init(&barriers.held_empty, 1);
     }
     if constexpr (kUnitStages > 0) {
@@ -567,13 +597,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
           Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
                                  accumulators, consumer);
           if (main_steps + step < released_steps) {
-            // The next write into this stage is a copy by the async proxy:
-            // order every lane's ordinary loads before it (proxy fence), and
-            // before its warp's arrival, made by lane 0 with release
-            // semantics (__syncwarp).
-            ptx::fence_async_shared();
-            __syncwarp();
-            release(state.stage);
+            release_stage_after_loads<kClusterSize>(barriers.empty, state.stage);
           }
           state.advance();
         }
@@ -584,13 +608,11 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         if (held > 0) ptx::named_barrier_sync<kConsumerWarps<Kernel> * 32>(kHeldStagesBarrier);
         Kernel::finish(params, unit, rank, accumulators, shared, consumer, held_stages);
         if (held > 0) {
-          // The storer's copies read what finish wrote (async proxy).
+          // The storer's copies read what finish wrote (async proxy); each
+          // thread's arrival orders its own writes before them.
           ptx::fence_async_shared();
-          __syncwarp();
-          if (threadIdx.x % 32 == 0) {
-            ptx::mbarrier_wait(&barriers.held_empty, held_phase ^ 1);
-            ptx::mbarrier_arrive(&barriers.held_full);
-          }
+          ptx::mbarrier_wait(&barriers.held_empty, held_phase ^ 1);
+          ptx::mbarrier_arrive(&barriers.held_full);
           held_phase ^= 1;
         }
       } else {
