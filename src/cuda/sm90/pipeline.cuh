@@ -293,6 +293,7 @@ struct HeldStages {
   Stage* stages;
   std::uint64_t* empty;
   int first;  // stage of held[0]
+  // A hand-back arrives for every consumer warp of the CTA.
   static constexpr std::uint32_t kStandsFor = kConsumerWarps<Kernel> * kWarpArrivals;
 
   __device__ __forceinline__ int index(int i) const { return (first + i) % Kernel::kStages; }
