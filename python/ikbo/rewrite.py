@@ -211,16 +211,16 @@ def _normalize_dim(dim: Any, ndim: int) -> int | None:
     return dim % ndim
 
 
-# torch.fx opcodes of the nodes that call nothing: graph inputs
-# ("placeholder") and module attributes read by the graph ("get_attr").
-_VALUE_OPS = ("placeholder", "get_attr")
+# The torch.fx node kinds that call something; every other node is a graph
+# input, a module attribute the graph reads, or the graph's result.
+_CALL_OPS = ("call_function", "call_method", "call_module")
 
 
 def _describe(node: Any) -> str:
     """How a node reads in the report: its name and what it calls."""
     if not isinstance(node, Node):
         return repr(node)
-    if node.op in _VALUE_OPS:
+    if node.op not in _CALL_OPS:
         return node.name
     if isinstance(node.target, str):
         target = node.target
@@ -687,7 +687,7 @@ def _in_place(node: Node, module: torch.nn.Module) -> bool:
 
 def _fresh(node: Node, module: torch.nn.Module) -> bool:
     """Whether ``node``'s result is known to share no storage with its operands."""
-    if node.op in _VALUE_OPS or node.op == "output":  # nothing for the result to alias
+    if node.op not in _CALL_OPS:  # an input, an attribute or the result: it aliases nothing
         return True
     if _in_place(node, module):
         return False
