@@ -12,11 +12,12 @@
 //             (and the fixer's, see stage fix-ups below): stage s may be
 //             overwritten. A warp whose wgmmas read the stage arrives once
 //             they have retired, its leader for all 32 lanes; a warp that
-//             read it with ordinary loads (register steps) arrives lane by
-//             lane on its own CTA's barrier, so that each lane's release
-//             orders its own loads before the next copy (compute-sanitizer's
-//             racecheck follows those edges, not a warp barrier before a
-//             leader's arrival), and through its leader on the others'.
+//             read or wrote it with ordinary instructions (register steps,
+//             the fixer) arrives lane by lane on its own CTA's barrier, so
+//             that each lane's release orders its own accesses before the
+//             next copy (compute-sanitizer's racecheck follows those edges,
+//             not a warp barrier before a leader's arrival), and through
+//             its leader on the others'.
 // Both sides walk the ring in the same order, each with its own
 // PipelineState (stage, phase parity); the barriers are all they share.
 //
@@ -125,7 +126,7 @@
 //     the ring never laps the fixer and its parity waits stay exact). A
 //     consumer reads an amended stage only after steps.wait_fixed(stage),
 //     at the k-steps where fix_up_step holds.
-//       fixed[s]   one arrival (the fixer's lane 0): stage s is amended.
+//       fixed[s]   one arrival per fixer lane: stage s is amended.
 //     The next amendment of stage s needs its next load, which needs the
 //     consumers' release, so fixed[s] never completes a phase ahead of them.
 //
@@ -264,14 +265,13 @@ __device__ __forceinline__ void release_stage(std::uint64_t* empty, int stage) {
   }
 }
 
-// The same for a stage this warp read with ordinary loads: the next write
-// into it is a copy by the async proxy, so each lane fences its loads for
-// it and arrives for itself on this CTA's barrier; the leader arrives for
-// the warp on the other CTAs' once every lane's loads are behind it
-// (__syncwarp).
+// The same for a stage this warp read or wrote with ordinary instructions,
+// which the caller has fenced for the async proxy (the next write into the
+// stage is a copy): each lane arrives for itself on this CTA's barrier; the
+// leader arrives for the warp on the other CTAs' once every lane's
+// accesses are behind it (__syncwarp).
 template <int kClusterSize>
-__device__ __forceinline__ void release_stage_after_loads(std::uint64_t* empty, int stage) {
-  ptx::fence_async_shared();
+__device__ __forceinline__ void release_stage_per_lane(std::uint64_t* empty, int stage) {
   ptx::mbarrier_arrive(&empty[stage]);
   if constexpr (kClusterSize > 1) {
     __syncwarp();
@@ -420,7 +420,9 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
       constexpr int kFixers = has_fix_up_warp<Kernel>() ? 1 : 0;
       ptx::mbarrier_init(&barriers.empty[stage],
                          (kClusterSize * kConsumerWarps<Kernel> + kFixers) * kWarpArrivals);
-      if constexpr (has_fix_up_warp<Kernel>()) ptx::mbarrier_init(&barriers.fixed[stage], 1);
+      if constexpr (has_fix_up_warp<Kernel>()) {
+        ptx::mbarrier_init(&barriers.fixed[stage], kWarpArrivals);
+      }
     }
     if constexpr (kMaxHeldStages > 0) {
       ptx::mbarrier_init(&barriers.held_full, Kernel::kConsumerWarpgroups * kWarpgroupThreads);
@@ -470,11 +472,12 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
             ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
             if (Kernel::fix_up_step(params, info, k_step)) {
               Kernel::fix_up(params, info, k_step, shared.stages[state.stage], lane);
-              ptx::fence_async_shared();  // the consumers' wgmmas read it
-              __syncwarp();
-              if (lane == 0) ptx::mbarrier_arrive(&barriers.fixed[state.stage]);
+              ptx::fence_async_shared();  // the consumers' wgmmas read it, a copy rewrites it
+              ptx::mbarrier_arrive(&barriers.fixed[state.stage]);
+              release_stage_per_lane<kClusterSize>(barriers.empty, state.stage);
+            } else {
+              release_stage<kClusterSize>(barriers.empty, state.stage);
             }
-            release_stage<kClusterSize>(barriers.empty, state.stage);
             state.advance();
           }
         }
@@ -598,7 +601,8 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
           Kernel::load_registers(params, unit, rank, shared.stages[state.stage], step,
                                  accumulators, consumer);
           if (main_steps + step < released_steps) {
-            release_stage_after_loads<kClusterSize>(barriers.empty, state.stage);
+            ptx::fence_async_shared();  // the next write into the stage is a copy
+            release_stage_per_lane<kClusterSize>(barriers.empty, state.stage);
           }
           state.advance();
         }
