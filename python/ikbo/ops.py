@@ -288,7 +288,7 @@ def attention(
     with ``u = cand_to_user[b]``; non-causal.
 
     Args:
-        q: queries ``[B, n_seed, H, D]``, D in {64, 128}.
+        q: queries ``[B, n_seed, H, D]``, D in {64, 128, 256}.
         k, v: per-user keys and values, dense ``[U, S, H, D]`` or, with
             ``kv_offsets``, jagged ``[total, H, D]``.
         cand_to_user_or_map: a :class:`~ikbo.CandidateMap` or the int32

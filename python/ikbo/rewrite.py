@@ -83,7 +83,7 @@ Node = torch.fx.Node
 DEFAULT_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ATTENTION_HEAD_DIMS = (64, 128)
+_ATTENTION_HEAD_DIMS = (64, 128, 256)
 
 _aten = torch.ops.aten
 
@@ -1741,7 +1741,8 @@ def _match_attention(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match |
     if query_shape[1] != key_shape[1]:
         raise skip(f"query has {query_shape[1]} heads, K/V {key_shape[1]}")
     if query_shape[3] not in _ATTENTION_HEAD_DIMS:
-        raise skip(f"head dim D={query_shape[3]}; ikbo attention takes D in {{64, 128}}")
+        dims = ", ".join(map(str, _ATTENTION_HEAD_DIMS))
+        raise skip(f"head dim D={query_shape[3]}; ikbo attention takes D in {{{dims}}}")
     _dtype_check(
         [_dtype_of(node) for node in (query, key[0].user, value[0].user)],
         "query, keys and values",

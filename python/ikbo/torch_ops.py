@@ -268,7 +268,7 @@ def attention(
     """``out[b, :, h, :] = softmax(scale * q[b, :, h, :] @ k_u[:, h, :]^T) @ v_u[:, h, :]``
     with ``u = cand_to_user[b]``, non-causal.
 
-    q ``[B, n_seed, H, D]`` (D in {64, 128}); k, v dense ``[U, S, H, D]``, or
+    q ``[B, n_seed, H, D]`` (D in {64, 128, 256}); k, v dense ``[U, S, H, D]``, or
     jagged ``[total, H, D]`` with kv_offsets ``[U + 1]`` (a user without rows
     gets zeros); scale defaults to ``1 / sqrt(D)``. Returns q's shape. Note the
     layout: torch's ``scaled_dot_product_attention`` takes ``[B, H, L, D]``,

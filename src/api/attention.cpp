@@ -27,8 +27,8 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Candidat
                      head_dim = q.size(3);
   require(n_seed >= 1, "q dimension 1 (n_seed) must be >= 1, got ", n_seed);
   require(heads >= 1, "q dimension 2 (H) must be >= 1, got ", heads);
-  require(head_dim == 64 || head_dim == 128, "q dimension 3 (head dim D) must be 64 or 128, got ",
-          head_dim);
+  require(head_dim == 64 || head_dim == 128 || head_dim == 256,
+          "q dimension 3 (head dim D) must be 64, 128 or 256, got ", head_dim);
   detail::check_map(map, q, "q", nullptr, {}, device, "q");
 
   const int head_axis = kv_rank - 2;

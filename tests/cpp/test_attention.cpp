@@ -2,7 +2,7 @@
 // jagged K/V, the broadcast baseline (replicate_kv + attention with the
 // identity map), and B = 0.
 // Covers n_seed in {1, 37, 64}, S in {1, 500, 777}, H in {1, 2, 3},
-// D in {64, 128}, unsorted and uneven maps with users without candidates,
+// D in {64, 128, 256}, unsorted and uneven maps with users without candidates,
 // empty user histories (their outputs must be exact zeros), the default
 // scale 1/sqrt(D) and explicit scales.
 #include <cmath>
@@ -60,6 +60,16 @@ const std::vector<AttentionCase>& attention_cases() {
        MapOrder::unsorted,
        std::nullopt},
       {"dense_seed37_s500_h1_d64_scale_0p5", 4, 2, 37, 1, 64, 500, {}, MapOrder::unsorted, 0.5f},
+      {"dense_seed37_s500_h2_d256_uneven_empty_users",
+       7,
+       4,
+       37,
+       2,
+       256,
+       500,
+       {},
+       MapOrder::uneven_unsorted,
+       std::nullopt},
       {"jagged_seed64_h2_d128_unsorted",
        6,
        4,
@@ -81,6 +91,16 @@ const std::vector<AttentionCase>& attention_cases() {
        MapOrder::uneven_unsorted,
        std::nullopt},
       {"jagged_seed1_h1_d64_sorted", 3, 2, 1, 1, 64, 0, {1, 777}, MapOrder::sorted, std::nullopt},
+      {"jagged_seed64_h1_d256_unsorted",
+       6,
+       4,
+       64,
+       1,
+       256,
+       0,
+       {500, 0, 777, 63},
+       MapOrder::unsorted,
+       std::nullopt},
       {"jagged_all_histories_empty",
        4,
        3,
@@ -218,7 +238,7 @@ TEST_P(AttentionRandomShapes, MatchFp64Reference) {
                             rng.uniform_int(1, 5),
                             rng.uniform_int(1, 70),
                             rng.uniform_int(1, 4),
-                            rng.uniform_int(0, 1) ? 128 : 64,
+                            std::int64_t{64} << rng.uniform_int(0, 2),  // D = 64, 128, 256
                             0,
                             {},
                             static_cast<MapOrder>(rng.uniform_int(0, 3)),

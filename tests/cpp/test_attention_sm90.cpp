@@ -1,6 +1,6 @@
 // The Hopper attention path (src/cuda/sm90/attention_sm90.cu) on CUDA device 0,
 // against the fp64 reference and the portable kernel (the same call with the
-// Hopper path switched off): n_seed in {1, 37, 64, 100}, D in {64, 128},
+// Hopper path switched off): n_seed in {1, 37, 64, 100}, D in {64, 128, 256},
 // H in {1, 2, 6}, dense S in {1, 127, 130, 500, 2048} and jagged lengths
 // including 0, 1, 127, 129 and 2048; balanced, uneven (users without
 // candidates) and unsorted maps with odd counts; positive, negative and zero
@@ -133,6 +133,15 @@ const std::vector<AttentionCase>& sm90_cases() {
       // CTA of the persistent grid takes several, both rings wrap, and two
       // K/V blocks per unit end in a masked tail.
       {"many_units_seed37_d64_h6_s130", 200, 3, 37, 6, 64, 130, {}, MapOrder::unsorted,
+       std::nullopt},
+      // D = 256: K/V blocks of 64 keys in a ring of 3 stages, no look-ahead.
+      {"seed37_d256_h2_s127_uneven", 9, 4, 37, 2, 256, 127, {}, MapOrder::uneven_unsorted,
+       std::nullopt},
+      {"seed64_d256_h1_s500_negative_scale", 7, 3, 64, 1, 256, 500, {}, MapOrder::unsorted,
+       -0.05f},
+      {"jagged_seed37_d256_h2", 9, 4, 37, 2, 256, 0, {300, 0, 65, 1}, MapOrder::uneven_unsorted,
+       std::nullopt},
+      {"many_units_seed37_d256_h6_s130", 200, 3, 37, 6, 256, 130, {}, MapOrder::unsorted,
        std::nullopt},
   };
   return cases;

@@ -406,7 +406,7 @@ TEST_P(AttentionValidation, EveryTensorMustHaveTheDtypeOfQ) {
   }
 }
 
-TEST_P(AttentionValidation, HeadDimMustBe64Or128) {
+TEST_P(AttentionValidation, HeadDimMustBe64Or128Or256) {
   constexpr std::int64_t unsupported = 96;
   const std::int64_t b = AttentionOperands::num_candidates, s = AttentionOperands::seq_len;
   const std::int64_t h = AttentionOperands::heads, n = AttentionOperands::n_seed;
@@ -423,7 +423,7 @@ TEST_P(AttentionValidation, HeadDimMustBe64Or128) {
   bad.v = v.view();
   bad.out = out.view();
   bad.out_buffer = &out.buffer();
-  EXPECT_TRUE(bad.rejected_with({"q dimension 3 (head dim D) must be 64 or 128, got 96"}));
+  EXPECT_TRUE(bad.rejected_with({"q dimension 3 (head dim D) must be 64, 128 or 256, got 96"}));
 }
 
 TEST_P(AttentionValidation, NSeedMustBePositive) {

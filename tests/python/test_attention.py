@@ -14,6 +14,7 @@ DENSE_SHAPES = {
     "one-seed-d64": (5, 2, 17, 2, 1, 64, True, ()),
     "odd-seeds-d128-unsorted": (7, 3, 33, 1, 37, 128, False, (1,)),
     "single-everything": (1, 1, 1, 1, 1, 64, True, ()),
+    "d256-uneven": (6, 3, 70, 2, 5, 256, False, (2,)),
 }
 
 # name: (per-user lengths, B, H, n_seed, D, sorted)
@@ -21,6 +22,7 @@ JAGGED_SHAPES = {
     "empty-histories-unsorted": ((0, 5, 33, 1), 9, 2, 3, 64, False),
     "one-user-long": ((70,), 3, 1, 37, 128, True),
     "all-empty": ((0, 0), 4, 1, 2, 64, False),
+    "d256-unsorted": ((65, 0, 1), 5, 2, 3, 256, False),
 }
 
 

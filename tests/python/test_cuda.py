@@ -115,7 +115,7 @@ def attention_reference_cuda(q, k, v, cand_to_user, offsets=None, scale=None):
 
 
 @pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_dense_attention(dtype_name, head_dim):
     # Reference-like: ratio 64/65, H=2, n_seed=64, odd S.
     dtype = TORCH_DTYPES[dtype_name]

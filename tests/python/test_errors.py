@@ -145,7 +145,7 @@ def test_lce_state_mismatches(lce_inputs):
             lambda a: a.update(
                 q=a["q"][..., :32].copy(), out=np.full((3, 2, 2, 32), SENTINEL, np.float32)
             ),
-            "q dimension 3 (head dim D) must be 64 or 128, got 32",
+            "q dimension 3 (head dim D) must be 64, 128 or 256, got 32",
         ),
         (lambda a: a.update(k=a["k"].astype(np.float16)), "k must have dtype float32, got float16"),
         (

@@ -6,7 +6,7 @@
 //
 // Layouts (elements, row-major): q/out [B, n_seed, H, D]; K/V dense
 // [U, S, H, D] or jagged [total, H, D] with user u owning rows
-// kv_offsets[u] .. kv_offsets[u+1]. D is 64 or 128.
+// kv_offsets[u] .. kv_offsets[u+1]. D is 64, 128 or 256.
 //
 // Work decomposition. The query rows of user u are the n_seed rows of each of
 // its candidates, taken in candidates_by_user order: row r is seed r % n_seed
@@ -17,8 +17,9 @@
 // whose tile lies past its user's rows has nothing to do.
 //
 // Variants:
-//   attention_mma_kernel   f16/bf16 with 16-byte aligned tensors. 8 warps,
-//                          16 query rows each; K/V tiles double-buffered
+//   attention_mma_kernel   f16/bf16 with 16-byte aligned tensors. 8 warps
+//                          (D = 256: 4), 16 query rows each; K/V tiles
+//                          of 64 keys (D = 256: 32) double-buffered
 //                          through swizzled shared memory with cp.async;
 //                          QK^T and PV on tensor cores (mma.sync m16n8k16,
 //                          fp32 accumulation); P rounded to the input type
@@ -121,10 +122,12 @@ __device__ __forceinline__ void for_each_query_tile(const AttentionProblem<Eleme
 // ---------------------------------------------------------------------------
 // Tensor-core kernel (f16 / bf16).
 
+// D = 256 takes half the rows and keys, so that its 98 KiB of shared memory
+// (and 128 accumulators of O per thread) fit every sm_80+ GPU.
 template <int kHeadDim>
 struct MmaConfig {
-  static constexpr int kBlockM = 128;  // query rows per CTA
-  static constexpr int kBlockN = 64;   // keys per K/V tile
+  static constexpr int kBlockM = kHeadDim == 256 ? 64 : 128;  // query rows per CTA
+  static constexpr int kBlockN = kHeadDim == 256 ? 32 : 64;   // keys per K/V tile
   static constexpr int kWarps = kBlockM / 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = 2;  // K/V tile t+1 loads while tile t computes
@@ -139,8 +142,8 @@ struct MmaConfig {
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a shared tile. The
 // XOR with the row's low 3 bits spreads the 8 rows an ldmatrix phase reads
-// at one column over all 32 banks (rows are 128 or 256 bytes, so unswizzled
-// they would all hit the same 4 banks).
+// at one column over all 32 banks (rows are 128, 256 or 512 bytes, so
+// unswizzled they would all hit the same 4 banks).
 template <int kRowBytes>
 __device__ __forceinline__ std::uint32_t swizzle(int row, int chunk) {
   return static_cast<std::uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
@@ -201,14 +204,20 @@ __global__ void __launch_bounds__(MmaConfig<kHeadDim>::kThreads, 1)
   const FragmentAddresses<kRowBytes> a_addresses((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
   const FragmentAddresses<kRowBytes> k_addresses((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
   // Tile copies: thread t moves chunk t % kChunksPerRow of rows
-  // t / kChunksPerRow + i * kRowsPerPass. kRowsPerPass is a multiple of 8, so
-  // every pass has the same swizzle and a fixed source stride.
+  // t / kChunksPerRow + i * kRowsPerPass, at a fixed source stride. Where
+  // kRowsPerPass is a multiple of 8 every pass has the same swizzle.
   constexpr int kRowsPerPass = Config::kThreads / Config::kChunksPerRow;
-  static_assert(kRowsPerPass % 8 == 0 && kBlockN % kRowsPerPass == 0 &&
-                kBlockM % kRowsPerPass == 0);
+  static_assert(kBlockN % kRowsPerPass == 0 && kBlockM % kRowsPerPass == 0);
   const int copy_row = static_cast<int>(threadIdx.x) / Config::kChunksPerRow;
   const int copy_chunk = static_cast<int>(threadIdx.x) % Config::kChunksPerRow;
   const std::uint32_t copy_destination = swizzle<kRowBytes>(copy_row, copy_chunk);
+  const auto pass_destination = [&](int pass) {
+    if constexpr (kRowsPerPass % 8 == 0) {
+      return copy_destination + static_cast<std::uint32_t>(pass * kRowsPerPass * kRowBytes);
+    } else {
+      return swizzle<kRowBytes>(copy_row + pass * kRowsPerPass, copy_chunk);
+    }
+  };
   const std::int64_t kv_row_stride = static_cast<std::int64_t>(problem.heads) * kHeadDim;
 
   for_each_query_tile<kBlockM>(problem, [&](const UserHead& work, std::int64_t first_row) {
@@ -231,8 +240,7 @@ __global__ void __launch_bounds__(MmaConfig<kHeadDim>::kThreads, 1)
         // must be finite there because 0 * NaN would poison the output.
         const bool valid = first_key + pass * kRowsPerPass < work.kv_length;
         const std::int64_t offset = first_offset + pass * kRowsPerPass * kv_row_stride;
-        const std::uint32_t destination =
-            stage + copy_destination + pass * kRowsPerPass * kRowBytes;
+        const std::uint32_t destination = stage + pass_destination(pass);
         ptx::cp_async_16(destination, valid ? problem.k + offset : problem.k, valid);
         ptx::cp_async_16(destination + Config::kKvTileBytes, valid ? problem.v + offset : problem.v,
                          valid);
@@ -243,7 +251,7 @@ __global__ void __launch_bounds__(MmaConfig<kHeadDim>::kThreads, 1)
       for (int pass = 0; pass < kBlockM / kRowsPerPass; ++pass) {
         const std::int64_t offset = query_offsets[copy_row + pass * kRowsPerPass];
         const bool valid = offset >= 0;
-        ptx::cp_async_16(q_tile + copy_destination + pass * kRowsPerPass * kRowBytes,
+        ptx::cp_async_16(q_tile + pass_destination(pass),
                          valid ? problem.q + offset + copy_chunk * 8 : problem.q, valid);
       }
       load_kv_tile(0);
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(MmaConfig<kHeadDim>::kThreads, 1)
       const std::uint32_t k_tile = kv_stages + (kv_tile % Config::kStages) * Config::kStageBytes;
       const std::uint32_t v_tile = k_tile + Config::kKvTileBytes;
 
-      // S = Q K^T for the warp's 16 rows and the tile's 64 keys.
+      // S = Q K^T for the warp's 16 rows and the tile's kBlockN keys.
       float scores[kScoreTiles][4] = {};
 #pragma unroll
       for (int step = 0; step < kKeySteps; ++step) {
@@ -569,15 +577,18 @@ void run_attention(const AttentionArgs& args) {
 
   const std::int64_t max_rows = args.map->max_count * args.n_seed;
   if (max_rows == 0) return;
-  // Rows are D elements (128 or 256 bytes), so aligned bases mean every
+  // Rows are D elements (128, 256 or 512 bytes), so aligned bases mean every
   // cp.async and 16-byte store is aligned.
   const bool use_tensor_cores =
       aligned_16(args.q) && aligned_16(args.k) && aligned_16(args.v) && aligned_16(args.out);
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  if (args.head_dim == 64) {
-    launch_for_head_dim<Element, 64>(problem, max_rows, use_tensor_cores, stream);
-  } else {
-    launch_for_head_dim<Element, 128>(problem, max_rows, use_tensor_cores, stream);
+  switch (args.head_dim) {
+    case 64:
+      return launch_for_head_dim<Element, 64>(problem, max_rows, use_tensor_cores, stream);
+    case 128:
+      return launch_for_head_dim<Element, 128>(problem, max_rows, use_tensor_cores, stream);
+    default:
+      return launch_for_head_dim<Element, 256>(problem, max_rows, use_tensor_cores, stream);
   }
 }
 

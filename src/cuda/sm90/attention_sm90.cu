@@ -7,7 +7,7 @@
 //
 // Layouts (elements, row-major): q/out [B, n_seed, H, D]; K/V dense
 // [U, S, H, D] or jagged [total, H, D] with user u owning rows
-// kv_offsets[u] .. kv_offsets[u+1]. D is 64 or 128; f16 or bf16.
+// kv_offsets[u] .. kv_offsets[u+1]. D is 64, 128 or 256; f16 or bf16.
 //
 // Work units. The query rows of user u are the n_seed rows of each of its
 // candidates in candidates_by_user order (row r is seed r % n_seed of
@@ -30,20 +30,22 @@
 // rows each. Shared memory, all tiles in the 128-byte swizzle (16-byte
 // chunk c of a 128-byte row r at chunk c ^ (r % 8), D split into column
 // blocks of 64 elements [D/64][rows][64], every tile 1024-byte aligned):
-//   K/V ring   kStages stages of one 128-key block, K_j and V_j in
+//   K/V ring   kStages stages of one block of kBlockN keys (128; 64 at
+//              D = 256, whose O takes 128 registers per thread), K_j and V_j in
 //              alternate k-steps (K_0, V_0, K_1, V_1, ...) so that QK^T of
 //              block j may start before V_j has landed and each block is
 //              released as soon as its own product retired. Thread 0 of
-//              the producer fills it with TMA: boxes {64 d, 1 head, 128
-//              keys(, 1 user)} through a 4-D map {D, H, S, U} (dense: keys
+//              the producer fills it with TMA: boxes {64 d, 1 head,
+//              kBlockN keys(, 1 user)} through a 4-D map {D, H, S, U} (dense: keys
 //              past S arrive as zeros, the next user is never read) or a
 //              3-D map {D, H, rows} (jagged: keys past the user's end are
 //              the next user's rows, or zeros past the tensor; producer
 //              warp 3, the pipeline's fixer, clears those rows of a user's
 //              last V block before the consumers read it).
-//   Q ring     2 slots of one unit's 128 x D query tile, the row of q/out
-//              that each tile row is (-1: past the user's rows) and the
-//              unit's description (every unit has a slot, empty or not).
+//   Q ring     2 slots of one unit's 128 x D query tile, and beside the
+//              tiles each slot's row of q/out for every tile row (-1: past
+//              the user's rows) and the unit's description (every unit
+//              has a slot, empty or not).
 //              Query rows come from several candidates, so producer warps
 //              1-2 gather them with 16-byte cp.async (rows past the user's
 //              rows zero-filled), wait, fence.proxy.async (wgmma reads
@@ -57,7 +59,7 @@
 //              the loaders after that.
 //
 // Consumer warpgroup, per unit (64 rows, K/V blocks j = 0 .. n-1):
-//   S = Q K_0^T (wgmma m64n128k16, both operands in shared memory);
+//   S = Q K_0^T (wgmma m64n<kBlockN>k16, both operands in shared memory);
 //   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and O += P V_{j-1}
 //   (wgmma with P as the register A operand, V MN-major), wait for both
 //   (the tensor pipe takes a warpgroup's wgmmas about as fast as it runs
@@ -81,7 +83,8 @@
 // and releases K/V k-steps out of ring order (K_j and V_{j-1} once S_j and
 // P_{j-1} V_{j-1} retired).
 //
-// Look-ahead (the *_lookahead schedules): a unit's epilogue is deferred
+// Look-ahead (the *_lookahead schedules; D = 256 has no registers for the
+// copy of O it takes and runs the schedule without it): a unit's epilogue is deferred
 // until the next unit's first QK^T has been issued, so the tensor cores
 // have work while the epilogue's stores run; its Q slot is released after
 // it (two slots are then held). The finished O is first copied out of the
@@ -134,7 +137,6 @@ using sm90::kWarpgroupThreads;
 
 constexpr int kBlockM = 128;          // query rows per unit
 constexpr int kWarpgroupRows = 64;    // of which each consumer warpgroup takes one wgmma M
-constexpr int kBlockN = 128;          // keys per K/V block
 constexpr int kSwizzleElements = 64;  // elements per 128-byte swizzle row
 constexpr int kSwizzleRowBytes = 128;
 constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;  // 8-row swizzle atom
@@ -152,9 +154,13 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 constexpr std::uint32_t kTurnBarrier = 1;
 constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 
+// Keys per K/V block: 128, or 64 at D = 256 (whose O takes 128 of a
+// consumer thread's registers).
+constexpr int block_keys(std::int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
+
 struct AttentionSm90Params {
-  // Boxes {64 d, 1 head, 128 keys} (jagged, {D, H, rows}) or
-  // {64 d, 1 head, 128 keys, 1 user} (dense, {D, H, S, U}).
+  // Boxes {64 d, 1 head, kBlockN keys} (jagged, {D, H, rows}) or
+  // {64 d, 1 head, kBlockN keys, 1 user} (dense, {D, H, S, U}).
   CUtensorMap keys, values;
   const void* q;
   void* out;
@@ -171,7 +177,7 @@ struct AttentionSm90Params {
 struct AttentionUnit {
   int head = 0;
   int user = 0;
-  int rows = 0;                  // query rows of the tile, 0 .. 128 (0: an empty unit)
+  int rows = 0;                  // query rows of the tile, 0 .. kBlockM (0: an empty unit)
   int blocks = 0;                // K/V blocks to walk (0 when rows == 0 or the user has no keys)
   int kv_length = 0;             // the user's keys
   std::int64_t group_begin = 0;  // first entry of the user's group in candidates_by_user
@@ -206,8 +212,9 @@ template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead>
 struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
-  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128).
-  static constexpr int kStages = kHeadDim == 64 ? 8 : 4;
+  static constexpr int kBlockN = block_keys(kHeadDim);
+  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256).
+  static constexpr int kStages = kHeadDim == 64 ? 8 : kHeadDim == 128 ? 4 : 3;
   static constexpr int kUnitStages = 2;
   static constexpr int kUnitLoaderWarps = 2;
   static constexpr bool kOwnsConsumerLoop = true;
@@ -218,28 +225,36 @@ struct AttentionSm90Kernel {
 
   static constexpr int kColumnBlocks = kHeadDim / kSwizzleElements;
   static constexpr int kChunksPerRow = kHeadDim / 8;
-  static constexpr int kScoreRegisters = kBlockN / 2;  // m64n128 fp32 fragment per thread
+  static constexpr int kScoreRegisters = kBlockN / 2;  // m64n<kBlockN> fp32 fragment per thread
   static constexpr int kOutRegisters = kHeadDim / 2;   // m64nD fp32 fragment per thread
   static constexpr int kQkSlices = kHeadDim / kWgmmaK;
   static constexpr int kPvSlices = kBlockN / kWgmmaK;
+  // PV in products of at most 128 columns of O (wgmma_rs's widest).
+  static constexpr int kPvColumns = kHeadDim < 128 ? kHeadDim : 128;
 
   using Params = AttentionSm90Params;
   using UnitInfo = AttentionUnit;
   struct Stage {
     Element tile[kColumnBlocks][kBlockN * kSwizzleElements];  // K or V block [d block][key][64]
   };
-  struct alignas(kSharedAlignment) UnitStage {
+  struct QTile {
     Element q[kColumnBlocks][kBlockM * kSwizzleElements];  // [d block][row][64]; later O
+  };
+  struct UnitMeta {
     std::int32_t row_heads[kBlockM];  // the row of q/out as [B * n_seed * H][D], -1: none
     UnitInfo info;                    // the unit, as the loaders described it
   };
+  // The tiles, whose sizes are whole swizzle atoms, from the 1024-byte
+  // aligned start; the slots' rows and units after them (at D = 256 the
+  // padding of a 1024-aligned slot would not fit in shared memory).
   struct SharedStorage {
     Stage stages[kStages];
-    UnitStage unit_stages[kUnitStages];
+    QTile q_tiles[kUnitStages];
+    UnitMeta unit_meta[kUnitStages];
   };
   static_assert(sizeof(Stage) % kSharedAlignment == 0 &&
                     sizeof(Stage::tile[0]) % kSharedAlignment == 0 &&
-                    sizeof(UnitStage::q[0]) % kSharedAlignment == 0 &&
+                    sizeof(QTile::q[0]) % kSharedAlignment == 0 &&
                     kWarpgroupRows * kSwizzleRowBytes % kSharedAlignment == 0,
                 "every TMA box and wgmma operand must start on a 1024-byte swizzle atom");
 
@@ -334,17 +349,19 @@ struct AttentionSm90Kernel {
   }
 
   __device__ static void load_unit(const Params& params, const UnitInfo& info, int,
-                                   const UnitRows& rows, UnitStage& unit_stage, int loader) {
+                                   const UnitRows& rows, SharedStorage& shared, int slot,
+                                   int loader) {
     const int warp = loader / 32, lane = loader % 32;
-    if (loader == 0) unit_stage.info = info;
+    UnitMeta& meta = shared.unit_meta[slot];
+    if (loader == 0) meta.info = info;
     const int first = warp * kWarpgroupRows;
     const auto* q = static_cast<const Element*>(params.q);
-    unit_stage.row_heads[first + lane] = rows.low;
-    unit_stage.row_heads[first + 32 + lane] = rows.high;
+    meta.row_heads[first + lane] = rows.low;
+    meta.row_heads[first + 32 + lane] = rows.high;
 
     constexpr int kRowsPerPass = 32 / kChunksPerRow;
     const int chunk = lane % kChunksPerRow;
-    const std::uint32_t tile = ptx::shared_address(unit_stage.q[0]);
+    const std::uint32_t tile = ptx::shared_address(shared.q_tiles[slot].q[0]);
 #pragma unroll 4
     for (int pass = 0; pass < kWarpgroupRows / kRowsPerPass; ++pass) {
       const int local = pass * kRowsPerPass + lane / kChunksPerRow;
@@ -494,7 +511,7 @@ struct AttentionSm90Kernel {
     std::uint64_t q, k, v;
     __device__ __forceinline__ Descriptors(const SharedStorage& shared, int slot, int consumer)
         : q(ptx::wgmma_descriptor_sw128(
-              shared.unit_stages[slot].q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16,
+              shared.q_tiles[slot].q[0] + consumer * kWarpgroupRows * kSwizzleElements, 16,
               kAtomBytes)),
           k(ptx::wgmma_descriptor_sw128(shared.stages[0].tile[0], 16, kAtomBytes)),
           v(ptx::wgmma_descriptor_sw128(shared.stages[0].tile[0], kBlockN * kSwizzleRowBytes,
@@ -523,17 +540,27 @@ struct AttentionSm90Kernel {
     ptx::wgmma_commit_group();
   }
 
-  // O += P V for the V block of `v_stage`, committed as one group.
+  // O += P V for the V block of `v_stage`, committed as one group: per
+  // k16 slice, one product per kPvColumns columns of O (their registers
+  // follow each other in out_acc, their V column blocks too).
   __device__ __forceinline__ static void issue_pv(ConsumerRegisters& registers,
                                                   const Descriptors& descriptors, int v_stage,
                                                   bool accumulate) {
     const std::uint64_t v_descriptor = descriptors.v_at(v_stage);
+    constexpr int kParts = kHeadDim / kPvColumns;
+    constexpr std::uint32_t kPartBytes = kPvColumns / kSwizzleElements * kBlockN * kSwizzleRowBytes;
 #pragma unroll
     for (int slice = 0; slice < kPvSlices; ++slice) {
-      ptx::wgmma_rs<Element, 1, kHeadDim>(
-          registers.out_acc, registers.p_fragments[slice],
-          ptx::advance_descriptor(v_descriptor, slice * kWgmmaK * kSwizzleRowBytes),
-          accumulate || slice > 0);
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        auto& out_part =
+            *reinterpret_cast<float(*)[kPvColumns / 2]>(registers.out_acc + part * kPvColumns / 2);
+        ptx::wgmma_rs<Element, 1, kPvColumns>(
+            out_part, registers.p_fragments[slice],
+            ptx::advance_descriptor(v_descriptor,
+                                    slice * kWgmmaK * kSwizzleRowBytes + part * kPartBytes),
+            accumulate || slice > 0);
+      }
     }
     ptx::wgmma_commit_group();
   }
@@ -577,7 +604,7 @@ struct AttentionSm90Kernel {
     float owed_out[kLookahead ? kOutRegisters : 1];
     const auto settle = [&] {
       if (!owed) return;
-      epilogue(params, shared.unit_stages[owed_slot], consumer, owed_out, owed_row_sum, false);
+      epilogue(params, shared, owed_slot, consumer, owed_out, owed_row_sum, false);
       slots.release();
       owed = false;
     };
@@ -587,7 +614,7 @@ struct AttentionSm90Kernel {
       // search (dependent global loads) took ~1400 cycles at each unit
       // boundary (H100, S = 512), on the critical path.
       const int slot = slots.acquire();
-      const UnitInfo info = shared.unit_stages[slot].info;
+      const UnitInfo info = shared.unit_meta[slot].info;
       if (info.blocks > 0) {
         main_loop(params, info, steps, shared, slot, consumer, registers, settle);
         if constexpr (kLookahead) {
@@ -600,16 +627,14 @@ struct AttentionSm90Kernel {
           owed_row_sum[0] = registers.row_sum[0];
           owed_row_sum[1] = registers.row_sum[1];
         } else {
-          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
-                   registers.row_sum, false);
+          epilogue(params, shared, slot, consumer, registers.out_acc, registers.row_sum, false);
           slots.release();
         }
       } else {
         // No keys (O = 0), or no query rows (an empty unit: nothing to store).
         settle();  // slots are released in order
         if (info.rows > 0) {
-          epilogue(params, shared.unit_stages[slot], consumer, registers.out_acc,
-                   registers.row_sum, true);
+          epilogue(params, shared, slot, consumer, registers.out_acc, registers.row_sum, true);
         }
         slots.release();
       }
@@ -703,7 +728,7 @@ struct AttentionSm90Kernel {
   // and the consumers wait for it before the block's PV. Dense K/V needs
   // none of this: the tensor map zero-fills keys past S.
   __device__ static int last_block_keys(const UnitInfo& info) {
-    return info.kv_length - (info.blocks - 1) * kBlockN;  // 1 .. 128
+    return info.kv_length - (info.blocks - 1) * kBlockN;  // 1 .. kBlockN
   }
 
   __device__ static bool fix_up_step(const Params& params, const UnitInfo& info, int k_step) {
@@ -727,8 +752,8 @@ struct AttentionSm90Kernel {
   // its own rows of the unit's Q slot (its QK^T products have retired; each
   // warp reads back only the 16 rows it wrote), then 16-byte chunks of the
   // rows that exist.
-  __device__ __forceinline__ static void epilogue(const Params& params, UnitStage& unit_stage,
-                                                  int consumer, const float* out_acc,
+  __device__ __forceinline__ static void epilogue(const Params& params, SharedStorage& shared,
+                                                  int slot, int consumer, const float* out_acc,
                                                   const float (&row_sum)[2], bool no_keys) {
     // The thread index is read here, not hoisted: otherwise the compiler
     // keeps every lane-dependent epilogue address live across the whole
@@ -747,7 +772,7 @@ struct AttentionSm90Kernel {
     // stmatrix.x4 over 8-column groups 2 * pair and 2 * pair + 1: matrix i
     // holds rows 8 * (i % 2) .. + 7 of the warp's 16 and group
     // 2 * pair + i / 2; lane l addresses row l % 8 of matrix l / 8.
-    const std::uint32_t tile = ptx::shared_address(unit_stage.q[0]);
+    const std::uint32_t tile = ptx::shared_address(shared.q_tiles[slot].q[0]);
     const int matrix = lane / 8;
     const int lane_row = warp_rows + (matrix % 2) * 8 + lane % 8;
 #pragma unroll
@@ -768,13 +793,14 @@ struct AttentionSm90Kernel {
     constexpr int kRowsPerPass = 32 / kChunksPerRow;
     constexpr int kPasses = 16 / kRowsPerPass;
     const int chunk = lane % kChunksPerRow;
-    const auto* staged = reinterpret_cast<const unsigned char*>(unit_stage.q[0]);
+    const auto* staged = reinterpret_cast<const unsigned char*>(shared.q_tiles[slot].q[0]);
+    const std::int32_t* slot_row_heads = shared.unit_meta[slot].row_heads;
     std::int32_t row_heads[kPasses];
     uint4 chunks[kPasses];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int row = warp_rows + pass * kRowsPerPass + lane / kChunksPerRow;
-      row_heads[pass] = unit_stage.row_heads[row];
+      row_heads[pass] = slot_row_heads[row];
       chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
     }
     auto* out = static_cast<Element*>(params.out);
@@ -795,18 +821,20 @@ struct DeviceSupport {
   int multiprocessors = 0;
 };
 
-// Calls fn(Kernel{}) with the kernel of `schedule`.
+// Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
+// *_lookahead schedule runs without the look-ahead, see the header comment).
 template <typename Element, int kHeadDim, typename Fn>
 void with_schedule(AttentionSm90Schedule schedule, Fn&& fn) {
+  constexpr bool kLookahead = kHeadDim <= 128;
   switch (schedule) {
     case AttentionSm90Schedule::ping_pong:
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, false>{});
     case AttentionSm90Schedule::cooperative:
       return fn(AttentionSm90Kernel<Element, kHeadDim, false, false>{});
     case AttentionSm90Schedule::ping_pong_lookahead:
-      return fn(AttentionSm90Kernel<Element, kHeadDim, true, true>{});
+      return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
-      return fn(AttentionSm90Kernel<Element, kHeadDim, false, true>{});
+      return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead>{});
   }
   throw RuntimeError("attention_sm90: unknown schedule");
 }
@@ -825,8 +853,10 @@ template <typename Fn>
 void for_each_kernel(Fn&& fn) {
   for_each_schedule<__half, 64>(fn);
   for_each_schedule<__half, 128>(fn);
+  for_each_schedule<__half, 256>(fn);
   for_each_schedule<__nv_bfloat16, 64>(fn);
   for_each_schedule<__nv_bfloat16, 128>(fn);
+  for_each_schedule<__nv_bfloat16, 256>(fn);
 }
 
 DeviceSupport probe_device(int ordinal) {
@@ -873,7 +903,7 @@ std::int64_t unit_count(const AttentionArgs& args) {
   return args.heads * (args.num_candidates * args.n_seed / kBlockM + args.num_users);
 }
 
-// K or V in boxes of 64 d x 1 head x 128 keys (x 1 user).
+// K or V in boxes of 64 d x 1 head x block_keys(D) keys (x 1 user).
 template <typename Element>
 CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
   const auto row_bytes = static_cast<cuuint64_t>(args.head_dim * kElementBytes);
@@ -884,7 +914,7 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
   layout.strides_bytes[1] = row_bytes * static_cast<cuuint64_t>(args.heads);
   layout.box[0] = kSwizzleElements;
   layout.box[1] = 1;
-  layout.box[2] = kBlockN;
+  layout.box[2] = static_cast<cuuint32_t>(block_keys(args.head_dim));
   if (args.kv_offsets != nullptr) {
     layout.rank = 3;
     layout.dims[2] = static_cast<cuuint64_t>(kv_rows(args));
@@ -935,10 +965,13 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  if (args.head_dim == 64) {
-    launch_schedule<Element, 64>(params, schedule, multiprocessors, stream);
-  } else {
-    launch_schedule<Element, 128>(params, schedule, multiprocessors, stream);
+  switch (args.head_dim) {
+    case 64:
+      return launch_schedule<Element, 64>(params, schedule, multiprocessors, stream);
+    case 128:
+      return launch_schedule<Element, 128>(params, schedule, multiprocessors, stream);
+    default:
+      return launch_schedule<Element, 256>(params, schedule, multiprocessors, stream);
   }
 }
 
@@ -951,16 +984,17 @@ bool attention_sm90_available(Device device) {
 bool attention_sm90_supported(const AttentionArgs& args) {
   constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   if (args.dtype != DType::f16 && args.dtype != DType::bf16) return false;
-  if (args.head_dim != 64 && args.head_dim != 128) return false;
+  if (args.head_dim != 64 && args.head_dim != 128 && args.head_dim != 256) return false;
   if (!aligned_16(args.q) || !aligned_16(args.k) || !aligned_16(args.v) || !aligned_16(args.out)) {
     return false;
   }
   const std::int64_t rows = kv_rows(args);
   // TMA coordinates are int32; a tensor map cannot describe an empty tensor.
-  // (Blocks start up to 127 keys before the end of a user's keys.)
-  if (rows <= 0 || rows > kInt32Max - kBlockN || args.num_users > kInt32Max ||
+  // (Blocks start up to kBlockN - 1 keys before the end of a user's keys.)
+  const int block = block_keys(args.head_dim);
+  if (rows <= 0 || rows > kInt32Max - block || args.num_users > kInt32Max ||
       args.n_seed > kInt32Max || args.heads > kInt32Max ||
-      args.dense_seq_len > kInt32Max - kBlockN) {
+      args.dense_seq_len > kInt32Max - block) {
     return false;
   }
   // Query rows (row_heads) and units are int32.

@@ -18,10 +18,10 @@ namespace ikbo::detail::cuda {
 bool attention_sm90_available(Device device);
 
 // Whether the Hopper kernel takes this call, whether or not the path is
-// enabled: available on the map's device, f16/bf16, D in {64, 128}, q, k,
-// v and out 16-byte aligned, at least one K/V row in the tensor (a tensor
-// map cannot describe an empty one), and sizes within the kernel's int32
-// coordinates and unit count.
+// enabled: available on the map's device, f16/bf16, D in {64, 128, 256},
+// q, k, v and out 16-byte aligned, at least one K/V row in the tensor (a
+// tensor map cannot describe an empty one), and sizes within the kernel's
+// int32 coordinates and unit count.
 bool attention_sm90_supported(const AttentionArgs& args);
 
 // attention_sm90_supported and the path is enabled.
@@ -33,7 +33,8 @@ bool attention_sm90_eligible(const AttentionArgs& args);
 //   cooperative  each issues as soon as its operands are ready;
 //   *_lookahead  the same, and each warpgroup runs a unit's epilogue only
 //                after it has issued the next unit's first QK^T, so the
-//                tensor cores work through the epilogue.
+//                tensor cores work through the epilogue (D <= 128: at
+//                D = 256 the schedule runs without the look-ahead).
 // All overlap the softmax of block j with the QK^T of block j + 1 inside a
 // warpgroup. Results are bitwise identical between them. Measured on H100
 // (reference shape, fp16, S = 512 .. 8192): the look-ahead adds 2-4%, and

@@ -77,16 +77,16 @@
 //     index.
 //
 //   Per-unit operands: kUnitStages > 0 adds a second ring of kUnitStages
-//     slots (SharedStorage::unit_stages[kUnitStages] of type UnitStage)
-//     for operands that are loaded once per unit and read by every k-step
-//     (attention's query tile), with its own barriers:
+//     slots (laid out in SharedStorage by the kernel) for operands that
+//     are loaded once per unit and read by every k-step (attention's query
+//     tile), with its own barriers:
 //       unit_full[s]   one arrival per loader thread: slot s is loaded;
 //       unit_empty[s]  one arrival per consumer thread: slot s is free.
 //     Warps 1 .. kUnitLoaderWarps of the producer warpgroup fill it: for
 //     each unit, each loader thread first calls prepare_unit(params, info,
 //     loader_thread) -> p (what needs no slot, e.g. the addresses to gather
 //     from: its latency then passes while the slot is still in use), waits
-//     for a free slot, calls load_unit(params, info, rank, p, slot,
+//     for a free slot, calls load_unit(params, info, rank, p, shared, slot,
 //     loader_thread) (which returns once its writes are complete and
 //     fenced for the async proxy, e.g. cp.async.wait_all +
 //     fence.proxy.async), and arrives.
@@ -492,7 +492,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
           const int loader = static_cast<int>(threadIdx.x) - 32;
           const auto prepared = Kernel::prepare_unit(params, info, loader);
           ptx::mbarrier_wait(&barriers.unit_empty[slot.stage], slot.phase ^ 1);
-          Kernel::load_unit(params, info, rank, prepared, shared.unit_stages[slot.stage], loader);
+          Kernel::load_unit(params, info, rank, prepared, shared, slot.stage, loader);
           ptx::mbarrier_arrive(&barriers.unit_full[slot.stage]);
           slot.advance();
         }
