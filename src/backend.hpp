@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "api/state.hpp"
 #include "ikbo/attention.hpp"
 #include "ikbo/candidate_map.hpp"
+#include "ikbo/error.hpp"
 #include "ikbo/lce.hpp"
 #include "ikbo/linear.hpp"
 #include "ikbo/tensor.hpp"
@@ -77,6 +79,21 @@ struct AttentionArgs {
   float scale = 1.0f;
   Stream stream = nullptr;
 };
+
+// Calls fn(std::integral_constant<int, D>{}) with the head dim D of `args`
+// (64, 128 or 256, the ones the API accepts), for kernels templated on D.
+template <typename Fn>
+void with_head_dim(const AttentionArgs& args, Fn&& fn) {
+  switch (args.head_dim) {
+    case 64:
+      return fn(std::integral_constant<int, 64>{});
+    case 128:
+      return fn(std::integral_constant<int, 128>{});
+    case 256:
+      return fn(std::integral_constant<int, 256>{});
+  }
+  throw RuntimeError("attention: no kernel for head dim " + std::to_string(args.head_dim));
+}
 
 // dst row r <- src row index[r] (index null: row r), `rows` rows of
 // `row_bytes` bytes; row strides in bytes. The broadcast baselines build their

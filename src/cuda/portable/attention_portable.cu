@@ -582,14 +582,10 @@ void run_attention(const AttentionArgs& args) {
   const bool use_tensor_cores =
       aligned_16(args.q) && aligned_16(args.k) && aligned_16(args.v) && aligned_16(args.out);
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  switch (args.head_dim) {
-    case 64:
-      return launch_for_head_dim<Element, 64>(problem, max_rows, use_tensor_cores, stream);
-    case 128:
-      return launch_for_head_dim<Element, 128>(problem, max_rows, use_tensor_cores, stream);
-    default:
-      return launch_for_head_dim<Element, 256>(problem, max_rows, use_tensor_cores, stream);
-  }
+  with_head_dim(args, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    launch_for_head_dim<Element, kHeadDim>(problem, max_rows, use_tensor_cores, stream);
+  });
 }
 
 }  // namespace

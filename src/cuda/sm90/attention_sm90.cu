@@ -993,14 +993,10 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  switch (args.head_dim) {
-    case 64:
-      return launch_schedule<Element, 64>(params, schedule, multiprocessors, stream);
-    case 128:
-      return launch_schedule<Element, 128>(params, schedule, multiprocessors, stream);
-    default:
-      return launch_schedule<Element, 256>(params, schedule, multiprocessors, stream);
-  }
+  with_head_dim(args, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    launch_schedule<Element, kHeadDim>(params, schedule, multiprocessors, stream);
+  });
 }
 
 }  // namespace
