@@ -61,34 +61,34 @@
 //
 // Consumer warpgroup, per unit (64 rows, K/V blocks j = 0 .. n-1):
 //   S = Q K_0^T (wgmma m64n<kBlockN>k16, both operands in shared memory);
-//   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and O += P V_{j-1}
-//   (wgmma with P as the register A operand, V MN-major), wait for both
-//   (the tensor pipe takes a warpgroup's wgmmas about as fast as it runs
-//   them, so little is left of them by then), softmax(S) while the other
-//   warpgroup's products run, rescale O if a row's maximum grew; finally
-//   O += P V_{n-1} and the epilogue. O is started by the unit's first PV
-//   product (scale-d = 0), never zeroed by ordinary instructions (see the
-//   look-ahead below). The online softmax runs in fp32 on exp2 with
-//   scale * log2(e) folded into one FFMA per score; the row maximum is
-//   taken on raw scores (their minimum when the scale is negative); keys
-//   past the user's length are excluded from it and get P = 0 exactly, so
-//   a block of the next user's keys (or TMA's zeros) never contributes, and
-//   a user without keys gets O = 0 (never NaN), and the next user's V rows
-//   in a jagged user's last block are zeros by the time PV reads them (0 *
-//   Inf would be NaN). P is rounded to the input type for PV,
-//   as in FlashAttention and the portable kernel; O is normalized and
-//   rounded once.
+//   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and, once V_{j-1}
+//   has landed, O += P V_{j-1} (wgmma with P as the register A operand, V
+//   MN-major), wait for both (the tensor pipe takes a warpgroup's wgmmas
+//   about as fast as it runs them, so little is left of them by then),
+//   softmax(S) while the other warpgroup's products run, rescale O if a
+//   row's maximum grew; finally O += P V_{n-1} and the epilogue. O is
+//   started by the unit's first PV product (scale-d = 0), never zeroed by
+//   ordinary instructions (see the look-ahead below). The online softmax
+//   runs in fp32 on exp2 with scale * log2(e) folded into one FFMA per
+//   score; the row maximum is taken on raw scores (their minimum when the
+//   scale is negative); keys past the user's length are excluded from it
+//   and get P = 0 exactly, so a block of the next user's keys (or TMA's
+//   zeros) never contributes, and a user without keys gets O = 0 (never
+//   NaN), and the next user's V rows in a jagged user's last block are
+//   zeros by the time PV reads them (0 * Inf would be NaN). P is rounded
+//   to the input type for PV, as in FlashAttention and the portable
+//   kernel; O is normalized and rounded once.
 //
 // The consumer loop is the kernel's own (pipeline.cuh's kernel-owned
 // loop): it walks the CTA's units, acquires each unit's Q slot, waits for
 // and releases K/V k-steps out of ring order (K_j and V_{j-1} once S_j and
 // P_{j-1} V_{j-1} retired).
 //
-// Look-ahead (the *_lookahead schedules; D = 256 has no registers for the
-// copy of O it takes and runs the schedule without it): a unit's epilogue is deferred
-// until the next unit's first QK^T has been issued, so the tensor cores
-// have work while the epilogue's stores run; its Q slot is released after
-// it (two slots are then held). The finished O is first copied out of the
+// Look-ahead (the *_lookahead schedules; at D = 256, which has no registers
+// for the copy of O it takes, they run without it): a unit's epilogue is
+// deferred until the next unit's first QK^T has been issued, so the tensor
+// cores have work while the epilogue's stores run; its Q slot is released
+// after it (two slots are then held). The finished O is first copied out of the
 // wgmma accumulators with real moves: ptxas cannot tell that the product
 // that wrote them retired before a newer one was committed, and would
 // otherwise wait for the newer one before the epilogue reads them. No
@@ -331,14 +331,14 @@ struct AttentionSm90Kernel {
                               Stage& stage, std::uint64_t* full) {
     // The block and operand of k_step (see key_step and value_step).
     bool value = (k_step & 1) != 0;
-    int block = k_step >> 1;
+    int kv_block = k_step >> 1;
     if constexpr (kKeysAhead) {
       const int last = 2 * info.blocks - 1;
       value = k_step == last || (k_step > 0 && !value);
-      block = k_step == last ? info.blocks - 1 : value ? k_step / 2 - 1 : (k_step + 1) / 2;
+      kv_block = k_step == last ? info.blocks - 1 : value ? k_step / 2 - 1 : (k_step + 1) / 2;
     }
     const CUtensorMap* map = value ? &params.values : &params.keys;
-    const int first_key = block * kBlockN;
+    const int first_key = kv_block * kBlockN;
 #pragma unroll
     for (int block = 0; block < kColumnBlocks; ++block) {
       if (params.kv_offsets != nullptr) {
