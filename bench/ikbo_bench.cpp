@@ -46,7 +46,7 @@ int run(const Options& options) {
   std::cerr << "measuring ceilings on " << device_name(options.device) << '\n';
   const Ceilings ceilings = measure_ceilings(timer, options.dtype);
   const RunInfo run_info{describe_device(options.device), utc_now(), commit_id(), options,
-                         ceilings};
+                         ceilings, timer.clock_sampling()};
   print_preamble(std::cout, run_info);
 
   const BenchContext context{options, timer, ceilings};

@@ -82,6 +82,16 @@ const char* suite_title(const std::string& suite) {
          "4*H*n_seed*D * sum over candidates of their user's length (4*B*H*n_seed*D*S dense)";
 }
 
+// The median SM clock, and what held it down: "1980", "1815 power cap".
+std::string clock_cell(const Record& record) {
+  if (!record.sm_mhz) return "-";
+  std::string cell = format("%.0f", *record.sm_mhz);
+  for (std::size_t i = 0; i < record.clock_limits.size(); ++i) {
+    cell += (i == 0 ? " " : "+") + record.clock_limits[i];
+  }
+  return cell;
+}
+
 void print_suite(std::ostream& out, const std::vector<const Record*>& records) {
   TextTable table;
   std::vector<std::string> header{"variant"};
@@ -90,6 +100,9 @@ void print_suite(std::ostream& out, const std::vector<const Record*>& records) {
        {"median_ms", "TFLOP/s", "GB/s", "floor_ms", "%floor", "vs bcast+copy", "vs bcast"}) {
     header.emplace_back(column);
   }
+  const bool clocks = std::any_of(records.begin(), records.end(),
+                                  [](const Record* record) { return record->sm_mhz.has_value(); });
+  if (clocks) header.emplace_back("SM MHz");
   table.add_row(std::move(header));
   const std::vector<ShapeField>* previous_shape = nullptr;
   for (const Record* record : records) {
@@ -110,6 +123,7 @@ void print_suite(std::ostream& out, const std::vector<const Record*>& records) {
           speedup(record->speedup_vs_broadcast_copy), speedup(record->speedup_vs_broadcast)}) {
       cells.push_back(std::move(cell));
     }
+    if (clocks) cells.push_back(clock_cell(*record));
     table.add_row(std::move(cells));
   }
   out << '\n' << suite_title(records.front()->suite) << '\n';
@@ -135,6 +149,15 @@ JsonObject record_json(const Record& record) {
       .add("pct_of_floor", record.pct_of_floor)
       .add("speedup_vs_broadcast_copy", record.speedup_vs_broadcast_copy)
       .add("speedup_vs_broadcast", record.speedup_vs_broadcast);
+  if (record.sm_mhz) {
+    std::string limits = "[";
+    for (const std::string& limit : record.clock_limits) {
+      limits += (limits.size() > 1 ? ", " : "") + json_quote(limit);
+    }
+    json.add("sm_mhz", record.sm_mhz)
+        .add("min_sm_mhz", record.min_sm_mhz)
+        .add_json("clock_limits", limits + "]");
+  }
   return json;
 }
 
@@ -159,6 +182,7 @@ void print_preamble(std::ostream& out, const RunInfo& run) {
          "input read once + output written once;\n"
       << "            %floor = 100 * floor / median; speedups = the baseline's median / this "
          "median\n";
+  if (!run.clock_sampling.empty()) out << "clocks      " << run.clock_sampling << '\n';
 }
 
 void print_tables(std::ostream& out, const std::vector<Record>& records) {
@@ -184,6 +208,7 @@ void write_json(const std::string& path, const RunInfo& run, const std::vector<R
       .add("warmup", options.warmup)
       .add("timing", timing_method(options))
       .add("cand_to_user", options.sorted_map ? "sorted" : "shuffled");
+  if (!run.clock_sampling.empty()) settings.add("clocks", run.clock_sampling);
   JsonObject ceilings;
   ceilings.add("matmul_tflops", run.ceilings.matmul_tflops)
       .add("matmul_method", run.ceilings.matmul_method)

@@ -22,6 +22,7 @@ struct RunInfo {
   std::string commit;
   const Options& options;
   const Ceilings& ceilings;
+  std::string clock_sampling;  // GPU: how the SM clock is sampled, or why not
 };
 
 void print_preamble(std::ostream& out, const RunInfo& run);

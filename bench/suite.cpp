@@ -80,6 +80,11 @@ void ShapeRecords::measure(std::string_view variant, const std::function<void()>
   record.gbps = work_.min_bytes / (record.median_ms * 1e6);
   record.floor_ms = context_.ceilings.floor_ms(work_.flops, work_.min_bytes);
   record.pct_of_floor = 100.0 * record.floor_ms / record.median_ms;
+  if (const auto clocks = context_.timer.last_clocks()) {
+    record.sm_mhz = clocks->median_sm_mhz;
+    record.min_sm_mhz = clocks->min_sm_mhz;
+    record.clock_limits = clocks->reason_names();
+  }
   add(std::move(record));
 }
 

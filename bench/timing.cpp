@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include "ikbo/error.hpp"
@@ -43,6 +44,7 @@ Timer::Timer(Device device, Stream stream) : device_(device), stream_(stream) {
   if (!device.is_cuda()) return;
 #ifdef IKBO_WITH_CUDA
   l2_flush_ = Buffer(l2_flush_bytes(device), device);
+  clocks_ = std::make_unique<ClockMonitor>(device.index);
 #else
   throw Error("a CUDA device was requested, but ikbo-bench was built without CUDA");
 #endif
@@ -54,6 +56,18 @@ std::vector<double> Timer::run_ms(const std::function<void()>& op, int warmup, i
   if (device_.is_cuda()) return run_ms_cuda(op, warmup, reps);
 #endif
   return run_ms_cpu(op, warmup, reps);
+}
+
+std::string Timer::clock_sampling() const {
+#ifdef IKBO_WITH_CUDA
+  if (clocks_) {
+    return clocks_->available()
+               ? "SM clock and its limits (NVML) sampled every " +
+                     std::to_string(ClockMonitor::kSamplePeriodMs) + " ms during the timed runs"
+               : "SM clock not sampled: " + clocks_->unavailable_reason();
+  }
+#endif
+  return "";
 }
 
 double Timer::median_ms(const std::function<void()>& op, int warmup, int reps) const {
@@ -106,6 +120,7 @@ std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warm
   // ahead of the GPU, so no host round trip sits between two timed runs.
   std::vector<CudaEvent> starts(static_cast<std::size_t>(reps));
   std::vector<CudaEvent> stops(static_cast<std::size_t>(reps));
+  clocks_->start();
   for (std::size_t i = 0; i < starts.size(); ++i) {
     IKBO_BENCH_CHECK(
         cudaMemsetAsync(l2_flush_.data(), static_cast<int>(i & 0xff), l2_flush_.bytes(), stream));
@@ -113,7 +128,11 @@ std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warm
     op();
     IKBO_BENCH_CHECK(cudaEventRecord(stops[i].get(), stream));
   }
-  IKBO_BENCH_CHECK(cudaEventSynchronize(stops.back().get()));
+  const cudaError_t synchronized = cudaEventSynchronize(stops.back().get());
+  const ClockSummary clocks = clocks_->stop();
+  last_clocks_.reset();
+  if (clocks.samples > 0) last_clocks_ = clocks;
+  IKBO_BENCH_CHECK(synchronized);
   IKBO_BENCH_CHECK(cudaGetLastError());
   std::vector<double> samples;
   samples.reserve(starts.size());

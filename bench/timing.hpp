@@ -7,11 +7,16 @@
 // flushed, the inputs are far larger than the caches anyway.
 // Both: `warmup` untimed runs first, then `reps` timed runs. Records report
 // the median run; ceilings the fastest (the best the platform reached).
+// GPU: the SM clock is sampled during the timed runs (clock_monitor.hpp).
 #pragma once
 
 #include <functional>
+#include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
+#include "clock_monitor.hpp"
 #include "device_resources.hpp"
 #include "ikbo/tensor.hpp"
 
@@ -31,13 +36,19 @@ class Timer {
 
   Device device() const { return device_; }
   Stream stream() const { return stream_; }
+  // The SM clock during the last run_ms (CUDA, NVML reachable), else empty.
+  std::optional<ClockSummary> last_clocks() const { return last_clocks_; }
+  // How the clock is sampled, or why it is not.
+  std::string clock_sampling() const;
 
  private:
   std::vector<double> run_ms_cpu(const std::function<void()>& op, int warmup, int reps) const;
 #ifdef IKBO_WITH_CUDA
   std::vector<double> run_ms_cuda(const std::function<void()>& op, int warmup, int reps) const;
   Buffer l2_flush_;
+  std::unique_ptr<ClockMonitor> clocks_;
 #endif
+  mutable std::optional<ClockSummary> last_clocks_;
 
   Device device_;
   Stream stream_;

@@ -74,6 +74,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -165,20 +166,140 @@ def _is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# nvmlClocksEventReasons bits, by name.
+_CLOCK_LIMITS = (
+    (0x2, "applications clocks"),
+    (0x4, "power cap"),
+    (0x8, "hw slowdown"),
+    (0x10, "sync boost"),
+    (0x20, "sw thermal"),
+    (0x40, "hw thermal"),
+    (0x80, "power brake"),
+    (0x100, "display clocks"),
+)
+
+
+def clock_limit_names(reasons: int) -> list[str]:
+    """The names of the clock event reasons set in NVML's bit mask ``reasons``
+    (GPU idle, 0x1, is not a limit and is left out)."""
+    return [name for bit, name in _CLOCK_LIMITS if reasons & bit]
+
+
+class ClockMonitor:
+    """The SM clock of a CUDA device and what held it below its maximum
+    (the power cap above all), sampled through NVML (libnvidia-ml, loaded
+    with ctypes) on a thread while a variant is timed: a sweep of heavy
+    GEMMs draws the board's power limit, and what is timed after them runs
+    at lower clocks than the ceilings measured at the start. ``available``
+    is False, with ``unavailable_reason``, where NVML cannot be reached."""
+
+    PERIOD_S = 0.002
+
+    def __init__(self, device: torch.device) -> None:
+        self._nvml = self._handle = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._mhz: list[int] = []
+        self._reasons = 0
+        self.unavailable_reason = ""
+        import ctypes
+
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            self.unavailable_reason = "libnvidia-ml.so.1 not found"
+            return
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        handle = ctypes.c_void_p()
+        properties = torch.cuda.get_device_properties(device)
+        bus_id = (
+            f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
+            f"{properties.pci_device_id:02x}.0"
+        )
+        if reasons is None or nvml.nvmlInit_v2() != 0:
+            self.unavailable_reason = "NVML could not be initialized"
+            return
+        if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id.encode(), ctypes.byref(handle)) != 0:
+            self.unavailable_reason = f"NVML does not know the device at {bus_id}"
+            return
+        self._nvml, self._handle, self._reasons_of = nvml, handle, reasons
+        self._ctypes = ctypes
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def _sample(self) -> None:
+        ctypes = self._ctypes
+        mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+        if self._nvml.nvmlDeviceGetClockInfo(self._handle, 1, ctypes.byref(mhz)) == 0:  # SM
+            self._mhz.append(mhz.value)
+        if self._reasons_of(self._handle, ctypes.byref(reasons)) == 0:
+            self._reasons |= reasons.value
+
+    def start(self) -> None:
+        if not self.available:
+            return
+        self.stop()
+        self._mhz, self._reasons = [], 0
+        self._stop.clear()
+
+        def sample_until_stopped() -> None:
+            while not self._stop.is_set():
+                self._sample()
+                self._stop.wait(self.PERIOD_S)
+
+        self._thread = threading.Thread(target=sample_until_stopped, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict | None:
+        """Ends sampling: ``{"sm_mhz", "min_sm_mhz", "clock_limits"}`` of the
+        samples taken, or None."""
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._sample()
+        if not self._mhz:
+            return None
+        return {
+            "sm_mhz": statistics.median(self._mhz),
+            "min_sm_mhz": min(self._mhz),
+            "clock_limits": clock_limit_names(self._reasons),
+        }
+
+
 class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data; on the CPU it is timed with ``perf_counter``."""
+    the previous run's data, and the SM clock is sampled during the timed
+    runs (``last_clocks``); on the CPU runs are timed with ``perf_counter``."""
 
     def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
         if reps < 1 or warmup < 0:
             raise ValueError(f"reps must be >= 1 and warmup >= 0, got {reps} and {warmup}")
         self.device, self.reps, self.warmup = device, reps, warmup
         self._l2_flush = None
+        self._clocks: ClockMonitor | None = None
+        self.last_clocks: dict | None = None
         if _is_cuda(device):
             l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
             self._l2_flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device=device)
+            self._clocks = ClockMonitor(device)
+
+    @property
+    def clock_sampling(self) -> str | None:
+        """How the SM clock is sampled, or why not (None on the CPU)."""
+        if self._clocks is None:
+            return None
+        if not self._clocks.available:
+            return f"SM clock not sampled: {self._clocks.unavailable_reason}"
+        period_ms = round(ClockMonitor.PERIOD_S * 1e3)
+        return f"SM clock and its limits (NVML) sampled every {period_ms} ms during the timed runs"
 
     @property
     def method(self) -> str:
@@ -206,16 +327,20 @@ class Timer:
                 samples.append((time.perf_counter() - start) * 1e3)
             return samples
         events = []
-        for _ in range(self.reps):
-            args = arguments()
-            self._l2_flush.zero_()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(*args)
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize(self.device)
+        self._clocks.start()
+        try:
+            for _ in range(self.reps):
+                args = arguments()
+                self._l2_flush.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                run(*args)
+                end.record()
+                events.append((start, end))
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.last_clocks = self._clocks.stop()
         return [start.elapsed_time(end) for start, end in events]
 
     def median_ms(
@@ -979,7 +1104,12 @@ def run_suite(
                 continue
             if output is not None:
                 reference = (variant.name, output)
-            _progress(f"{suite.name} {shape.label()}: {variant.name} {median_ms:.3f} ms")
+            clocks = timer.last_clocks or {}
+            note = f"{suite.name} {shape.label()}: {variant.name} {median_ms:.3f} ms"
+            if clocks:
+                limits = "".join(f", {limit}" for limit in clocks["clock_limits"])
+                note += f" ({clocks['sm_mhz']:.0f} MHz{limits})"
+            _progress(note)
             measured.append(
                 {
                     **head,
@@ -989,6 +1119,7 @@ def run_suite(
                     "gbps": bytes_moved / (median_ms * 1e6),
                     "floor_ms": floor_ms,
                     "pct_of_floor": 100 * floor_ms / median_ms,
+                    **clocks,
                 }
             )
         del reference, workload
@@ -1492,6 +1623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reps": timer.reps,
             "warmup": timer.warmup,
             "timing": timer.method,
+            **({"clocks": timer.clock_sampling} if timer.clock_sampling else {}),
             "cand_to_user": "sorted",
             "torch": torch.__version__,
             "variants": {s.name: {v.name: v.timed for v in s.variants} for s in suites},

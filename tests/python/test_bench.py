@@ -141,6 +141,19 @@ def test_users_for_ratio():
     assert bench.users_for_ratio(16, 1000) == 1 and bench.users_for_ratio(4, 1) == 4
 
 
+def test_clock_limit_names():
+    assert bench.clock_limit_names(0) == []
+    assert bench.clock_limit_names(0x1) == []  # GPU idle: not a limit
+    assert bench.clock_limit_names(0x5) == ["power cap"]
+    assert bench.clock_limit_names(0x44) == ["power cap", "hw thermal"]
+
+
+def test_cpu_timer_samples_no_clock():
+    timer = bench.Timer(torch.device("cpu"), reps=2, warmup=0)
+    assert len(timer.samples_ms(lambda: None)) == 2
+    assert timer.clock_sampling is None and timer.last_clocks is None
+
+
 def test_wrong_output_is_reported_not_timed():
     def wrong(work):
         return bench.Prepared(lambda: torch.zeros(work.shape.B, work.shape.M, work.shape.N))

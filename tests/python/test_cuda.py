@@ -257,3 +257,16 @@ def test_cupy_arrays():
     assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
     cupy.cuda.get_current_stream().synchronize()
     assert_close(cupy.asnumpy(out), lce_reference(*host, cand_to_user), "float16")
+
+
+def test_bench_timer_samples_the_sm_clock():
+    from ikbo import bench
+
+    timer = bench.Timer(DEVICE, reps=3, warmup=1)
+    a = torch.ones(2048, 2048, device=DEVICE, dtype=torch.float16)
+    assert len(timer.samples_ms(lambda: a @ a)) == 3
+    if timer.clock_sampling.startswith("SM clock not sampled"):
+        pytest.skip(timer.clock_sampling)
+    clocks = timer.last_clocks
+    assert 0 < clocks["min_sm_mhz"] <= clocks["sm_mhz"]
+    assert set(clocks["clock_limits"]) <= {name for _, name in bench._CLOCK_LIMITS}

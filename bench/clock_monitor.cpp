@@ -1,0 +1,145 @@
+// clock_monitor.cpp — NVML through dlopen: nvmlInit_v2, the device by its
+// PCI bus id (CUDA's ordinal and NVML's index need not agree), then
+// nvmlDeviceGetClockInfo(SM) and the clock event reasons, sampled on a
+// thread. The few declarations needed are NVML's stable C ABI.
+#include "clock_monitor.hpp"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+
+#ifdef IKBO_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace ikbo::bench {
+namespace {
+
+using NvmlDevice = struct NvmlDeviceOpaque*;
+using NvmlReturn = int;  // nvmlReturn_t; 0 is NVML_SUCCESS
+constexpr int kNvmlClockSm = 1;
+constexpr std::uint64_t kReasonGpuIdle = 0x1;
+
+struct ReasonName {
+  std::uint64_t bit;
+  const char* name;
+};
+// nvmlClocksEventReasons (formerly nvmlClocksThrottleReasons) bits.
+constexpr ReasonName kReasonNames[] = {
+    {0x2, "applications clocks"}, {0x4, "power cap"},    {0x8, "hw slowdown"},
+    {0x10, "sync boost"},         {0x20, "sw thermal"},  {0x40, "hw thermal"},
+    {0x80, "power brake"},        {0x100, "display clocks"},
+};
+
+}  // namespace
+
+struct ClockMonitor::Nvml {
+  void* library = nullptr;
+  NvmlDevice device = nullptr;
+  NvmlReturn (*shutdown)() = nullptr;
+  NvmlReturn (*clock_info)(NvmlDevice, int, unsigned*) = nullptr;
+  NvmlReturn (*event_reasons)(NvmlDevice, unsigned long long*) = nullptr;
+
+  ~Nvml() {
+    if (shutdown != nullptr) shutdown();
+    if (library != nullptr) dlclose(library);
+  }
+};
+
+std::vector<std::string> ClockSummary::reason_names() const {
+  std::vector<std::string> names;
+  for (const ReasonName& reason : kReasonNames) {
+    if ((reasons & reason.bit) != 0) names.emplace_back(reason.name);
+  }
+  return names;
+}
+
+ClockMonitor::ClockMonitor(int ordinal) {
+#ifdef IKBO_WITH_CUDA
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, ordinal) != cudaSuccess) {
+    unavailable_reason_ = "cudaDeviceGetPCIBusId failed";
+    return;
+  }
+  auto nvml = std::make_unique<Nvml>();
+  nvml->library = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (nvml->library == nullptr) {
+    unavailable_reason_ = "libnvidia-ml.so.1 not found";
+    return;
+  }
+  const auto symbol = [&](const char* name) { return dlsym(nvml->library, name); };
+  const auto init = reinterpret_cast<NvmlReturn (*)()>(symbol("nvmlInit_v2"));
+  const auto by_bus_id = reinterpret_cast<NvmlReturn (*)(const char*, NvmlDevice*)>(
+      symbol("nvmlDeviceGetHandleByPciBusId_v2"));
+  nvml->clock_info =
+      reinterpret_cast<NvmlReturn (*)(NvmlDevice, int, unsigned*)>(symbol("nvmlDeviceGetClockInfo"));
+  void* reasons = symbol("nvmlDeviceGetCurrentClocksEventReasons");
+  if (reasons == nullptr) reasons = symbol("nvmlDeviceGetCurrentClocksThrottleReasons");
+  nvml->event_reasons = reinterpret_cast<NvmlReturn (*)(NvmlDevice, unsigned long long*)>(reasons);
+  if (init == nullptr || by_bus_id == nullptr || nvml->clock_info == nullptr ||
+      nvml->event_reasons == nullptr) {
+    unavailable_reason_ = "libnvidia-ml.so.1 lacks the functions used";
+    return;
+  }
+  if (init() != 0) {
+    unavailable_reason_ = "nvmlInit_v2 failed";
+    return;
+  }
+  nvml->shutdown = reinterpret_cast<NvmlReturn (*)()>(symbol("nvmlShutdown"));
+  if (by_bus_id(bus_id, &nvml->device) != 0) {
+    unavailable_reason_ = std::string("NVML does not know the device at ") + bus_id;
+    return;
+  }
+  nvml_ = std::move(nvml);
+#else
+  (void)ordinal;
+  unavailable_reason_ = "built without CUDA";
+#endif
+}
+
+ClockMonitor::~ClockMonitor() {
+  if (sampling_.load()) stop();
+}
+
+void ClockMonitor::sample() {
+  unsigned mhz = 0;
+  unsigned long long reasons = 0;
+  const bool clock_read = nvml_->clock_info(nvml_->device, kNvmlClockSm, &mhz) == 0;
+  const bool reasons_read = nvml_->event_reasons(nvml_->device, &reasons) == 0;
+  const std::lock_guard lock(mutex_);
+  if (clock_read) sm_mhz_.push_back(mhz);
+  if (reasons_read) reasons_ |= reasons & ~kReasonGpuIdle;
+}
+
+void ClockMonitor::start() {
+  if (!available()) return;
+  if (sampling_.load()) stop();
+  sm_mhz_.clear();
+  reasons_ = 0;
+  sampling_.store(true);
+  sampler_ = std::thread([this] {
+    while (sampling_.load()) {
+      sample();
+      std::this_thread::sleep_for(std::chrono::milliseconds(kSamplePeriodMs));
+    }
+  });
+}
+
+ClockSummary ClockMonitor::stop() {
+  ClockSummary summary;
+  if (!sampling_.load()) return summary;
+  sampling_.store(false);
+  sampler_.join();
+  sample();
+  std::vector<unsigned> mhz = sm_mhz_;
+  if (mhz.empty()) return summary;
+  std::sort(mhz.begin(), mhz.end());
+  summary.samples = static_cast<int>(mhz.size());
+  summary.median_sm_mhz = mhz[mhz.size() / 2];
+  summary.min_sm_mhz = mhz.front();
+  summary.reasons = reasons_;
+  return summary;
+}
+
+}  // namespace ikbo::bench

@@ -1,0 +1,64 @@
+// clock_monitor.hpp — what the GPU's clock did while ikbo-bench timed a
+// variant: the SM clock and the reasons the driver gave for holding it
+// below its maximum (the power cap above all: a long sweep of heavy GEMMs
+// draws the board's power limit, and the kernels timed after them run at
+// lower clocks than the ceilings measured at the start). Read through NVML,
+// which is loaded at run time: a machine without the driver (CI) has none,
+// and the records then carry no clock fields.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ikbo::bench {
+
+struct ClockSummary {
+  int samples = 0;
+  double median_sm_mhz = 0;
+  double min_sm_mhz = 0;
+  // NVML's clock event reasons seen in any sample (GPU idle left out).
+  std::uint64_t reasons = 0;
+
+  // The reasons by name ("power cap", "hw thermal", ...); empty when none.
+  std::vector<std::string> reason_names() const;
+};
+
+class ClockMonitor {
+ public:
+  // NVML for CUDA device `ordinal`; unavailable (with the reason) when the
+  // library, the driver or the device cannot be reached.
+  explicit ClockMonitor(int ordinal);
+  ~ClockMonitor();
+  ClockMonitor(const ClockMonitor&) = delete;
+  ClockMonitor& operator=(const ClockMonitor&) = delete;
+
+  bool available() const { return nvml_ != nullptr; }
+  const std::string& unavailable_reason() const { return unavailable_reason_; }
+
+  // Samples the SM clock and the event reasons every kSamplePeriodMs on a
+  // thread from start() until stop() (and once more at stop()); a start()
+  // while sampling starts over.
+  static constexpr int kSamplePeriodMs = 2;
+  void start();
+  ClockSummary stop();
+
+ private:
+  struct Nvml;
+  void sample();
+
+  std::unique_ptr<Nvml> nvml_;
+  std::string unavailable_reason_;
+  std::thread sampler_;
+  std::atomic<bool> sampling_{false};
+  std::mutex mutex_;
+  std::vector<unsigned> sm_mhz_;
+  std::uint64_t reasons_ = 0;
+};
+
+}  // namespace ikbo::bench
