@@ -37,7 +37,9 @@ Method: every variant's output is checked against that of the shape's first
 measured variant (relative Frobenius error within a dtype tolerance) before
 it is timed; one that differs is reported as failed, not timed. GPU:
 CUDA events around each run, a write over twice the L2 size before each run
-(outside the events) so no run finds the previous one's data in cache. CPU:
+(outside the events) so no run finds the previous one's data in cache, and
+the SM clock sampled through NVML during the timed runs (``ClockMonitor``:
+records gain ``sm_mhz``, ``min_sm_mhz``, ``clock_limits``). CPU:
 ``time.perf_counter``. Both report the median of ``--reps`` runs after
 ``--warmup`` untimed ones. A request has U = round(B / ratio) users with
 candidate counts spread as evenly as possible (where B / U is whole, every
