@@ -203,11 +203,15 @@ class Unsupported(torch.nn.Module):
         small_heads = F.scaled_dot_product_attention(
             q[..., :32], k_u[cand_to_user][..., :32], v_u[cand_to_user][..., :32]
         )
+        narrow_users = F.scaled_dot_product_attention(
+            q[..., :32], k_u[..., :32][cand_to_user], v_u[..., :32][cand_to_user]
+        )
         per_user_only = torch.relu(e_u[cand_to_user])
         user_features = x_u[cand_to_user]
         return (
             causal,
             small_heads,
+            narrow_users,
             per_user_only,
             F.linear(torch.cat([user_features, user_features], -1), torch.ones(2, 8)),
         )
@@ -222,6 +226,7 @@ def test_report_says_what_was_left_and_why(capsys):
     reasons = " | ".join(item.reason for item in report.left)
     assert "SDPA is causal" in reasons
     assert "used by getitem" in reasons  # the [..., :32] slices are not SDPA operands
+    assert "head dim D=32; ikbo attention takes D in {64, 128, 256}" in reasons
     assert "used by relu" in reasons
     assert "every operand of cat is per-user" in reasons
     assert "left getitem" in capsys.readouterr().out
