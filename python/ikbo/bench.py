@@ -220,8 +220,12 @@ class ClockMonitor:
             f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
             f"{properties.pci_device_id:02x}.0"
         )
-        if reasons is None or nvml.nvmlInit_v2() != 0:
-            self.unavailable_reason = "NVML could not be initialized"
+        required = ("nvmlInit_v2", "nvmlDeviceGetHandleByPciBusId_v2", "nvmlDeviceGetClockInfo")
+        if reasons is None or not all(hasattr(nvml, name) for name in required):
+            self.unavailable_reason = "libnvidia-ml.so.1 lacks the functions used"
+            return
+        if nvml.nvmlInit_v2() != 0:
+            self.unavailable_reason = "nvmlInit_v2 failed"
             return
         if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id.encode(), ctypes.byref(handle)) != 0:
             self.unavailable_reason = f"NVML does not know the device at {bus_id}"
