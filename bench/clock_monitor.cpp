@@ -19,13 +19,13 @@ namespace {
 using NvmlDevice = struct NvmlDeviceOpaque*;
 using NvmlReturn = int;  // nvmlReturn_t; 0 is NVML_SUCCESS
 constexpr int kNvmlClockSm = 1;
-constexpr std::uint64_t kReasonGpuIdle = 0x1;
 
 struct ReasonName {
   std::uint64_t bit;
   const char* name;
 };
-// nvmlClocksEventReasons (formerly nvmlClocksThrottleReasons) bits.
+// nvmlClocksEventReasons (formerly nvmlClocksThrottleReasons) bits that
+// limit the clock (0x1, GPU idle, is not listed).
 constexpr ReasonName kReasonNames[] = {
     {0x2, "applications clocks"}, {0x4, "power cap"},    {0x8, "hw slowdown"},
     {0x10, "sync boost"},         {0x20, "sw thermal"},  {0x40, "hw thermal"},
@@ -72,8 +72,8 @@ ClockMonitor::ClockMonitor(int ordinal) {
   const auto init = reinterpret_cast<NvmlReturn (*)()>(symbol("nvmlInit_v2"));
   const auto by_bus_id = reinterpret_cast<NvmlReturn (*)(const char*, NvmlDevice*)>(
       symbol("nvmlDeviceGetHandleByPciBusId_v2"));
-  nvml->clock_info =
-      reinterpret_cast<NvmlReturn (*)(NvmlDevice, int, unsigned*)>(symbol("nvmlDeviceGetClockInfo"));
+  nvml->clock_info = reinterpret_cast<NvmlReturn (*)(NvmlDevice, int, unsigned*)>(
+      symbol("nvmlDeviceGetClockInfo"));
   void* reasons = symbol("nvmlDeviceGetCurrentClocksEventReasons");
   if (reasons == nullptr) reasons = symbol("nvmlDeviceGetCurrentClocksThrottleReasons");
   nvml->event_reasons = reinterpret_cast<NvmlReturn (*)(NvmlDevice, unsigned long long*)>(reasons);
@@ -105,11 +105,8 @@ ClockMonitor::~ClockMonitor() {
 void ClockMonitor::sample() {
   unsigned mhz = 0;
   unsigned long long reasons = 0;
-  const bool clock_read = nvml_->clock_info(nvml_->device, kNvmlClockSm, &mhz) == 0;
-  const bool reasons_read = nvml_->event_reasons(nvml_->device, &reasons) == 0;
-  const std::lock_guard lock(mutex_);
-  if (clock_read) sm_mhz_.push_back(mhz);
-  if (reasons_read) reasons_ |= reasons & ~kReasonGpuIdle;
+  if (nvml_->clock_info(nvml_->device, kNvmlClockSm, &mhz) == 0) sm_mhz_.push_back(mhz);
+  if (nvml_->event_reasons(nvml_->device, &reasons) == 0) reasons_ |= reasons;
 }
 
 void ClockMonitor::start() {
@@ -132,12 +129,11 @@ ClockSummary ClockMonitor::stop() {
   sampling_.store(false);
   sampler_.join();
   sample();
-  std::vector<unsigned> mhz = sm_mhz_;
-  if (mhz.empty()) return summary;
-  std::sort(mhz.begin(), mhz.end());
-  summary.samples = static_cast<int>(mhz.size());
-  summary.median_sm_mhz = mhz[mhz.size() / 2];
-  summary.min_sm_mhz = mhz.front();
+  if (sm_mhz_.empty()) return summary;
+  std::sort(sm_mhz_.begin(), sm_mhz_.end());
+  summary.samples = static_cast<int>(sm_mhz_.size());
+  summary.median_sm_mhz = sm_mhz_[sm_mhz_.size() / 2];
+  summary.min_sm_mhz = sm_mhz_.front();
   summary.reasons = reasons_;
   return summary;
 }

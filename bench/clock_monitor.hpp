@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -22,10 +21,11 @@ struct ClockSummary {
   int samples = 0;
   double median_sm_mhz = 0;
   double min_sm_mhz = 0;
-  // NVML's clock event reasons seen in any sample (GPU idle left out).
+  // NVML's clock event reasons seen in any sample.
   std::uint64_t reasons = 0;
 
-  // The reasons by name ("power cap", "hw thermal", ...); empty when none.
+  // The reasons that limit the clock, by name ("power cap", "hw thermal",
+  // ...; GPU idle is not one); empty when none.
   std::vector<std::string> reason_names() const;
 };
 
@@ -42,8 +42,9 @@ class ClockMonitor {
   const std::string& unavailable_reason() const { return unavailable_reason_; }
 
   // Samples the SM clock and the event reasons every kSamplePeriodMs on a
-  // thread from start() until stop() (and once more at stop()); a start()
-  // while sampling starts over.
+  // thread from start() until stop() (and once more at stop(), after the
+  // thread has joined: the samples are never touched by two threads at
+  // once); a start() while sampling starts over.
   static constexpr int kSamplePeriodMs = 2;
   void start();
   ClockSummary stop();
@@ -56,7 +57,6 @@ class ClockMonitor {
   std::string unavailable_reason_;
   std::thread sampler_;
   std::atomic<bool> sampling_{false};
-  std::mutex mutex_;
   std::vector<unsigned> sm_mhz_;
   std::uint64_t reasons_ = 0;
 };

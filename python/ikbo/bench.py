@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -204,8 +205,6 @@ class ClockMonitor:
         self._mhz: list[int] = []
         self._reasons = 0
         self.unavailable_reason = ""
-        import ctypes
-
         try:
             nvml = ctypes.CDLL("libnvidia-ml.so.1")
         except OSError:
@@ -231,14 +230,12 @@ class ClockMonitor:
             self.unavailable_reason = f"NVML does not know the device at {bus_id}"
             return
         self._nvml, self._handle, self._reasons_of = nvml, handle, reasons
-        self._ctypes = ctypes
 
     @property
     def available(self) -> bool:
         return self._nvml is not None
 
     def _sample(self) -> None:
-        ctypes = self._ctypes
         mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
         if self._nvml.nvmlDeviceGetClockInfo(self._handle, 1, ctypes.byref(mhz)) == 0:  # SM
             self._mhz.append(mhz.value)

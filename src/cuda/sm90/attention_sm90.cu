@@ -735,8 +735,9 @@ struct AttentionSm90Kernel {
       }
     }
     // O += P_{n-1} V_{n-1}.
-    const int v_stage = steps.wait(value_step(blocks - 1, blocks));
-    if (fix_up_step(params, info, value_step(blocks - 1, blocks))) steps.wait_fixed(v_stage);
+    const int last_step = value_step(blocks - 1, blocks);
+    const int v_stage = steps.wait(last_step);
+    if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
     turn_begin(consumer);
     ptx::fence_operands(registers.out_acc);
     ptx::wgmma_fence();
@@ -760,7 +761,7 @@ struct AttentionSm90Kernel {
   }
 
   __device__ static bool fix_up_step(const Params& params, const UnitInfo& info, int k_step) {
-    return params.kv_offsets != nullptr && k_step == 2 * info.blocks - 1 &&
+    return params.kv_offsets != nullptr && k_step == value_step(info.blocks - 1, info.blocks) &&
            last_block_keys(info) < kBlockN;
   }
 
