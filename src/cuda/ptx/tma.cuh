@@ -183,6 +183,16 @@ __device__ __forceinline__ void bulk_store(void* destination, const void* shared
                              shared_source, bytes);
 }
 
+// Adds `bytes` (a multiple of 16) of fp32 values in shared memory to those
+// at `destination` (16-byte aligned) in global memory, element by element
+// (round to nearest; fp32 subnormals may flush to zero). Joins the issuing thread's
+// open bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* destination, const float* shared_source,
+                                                std::uint32_t bytes) {
+  ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared,
+                                    ::cuda::ptx::op_add, destination, shared_source, bytes);
+}
+
 // Closes the issuing thread's open bulk group (its stores since the last commit).
 __device__ __forceinline__ void bulk_commit_group() { ::cuda::ptx::cp_async_bulk_commit_group(); }
 

@@ -15,9 +15,14 @@
 //                    epilogue rounds once; no candidate partial ever goes
 //                    to memory.
 // User units come first in the walk, so they are the first units of their
-// clusters and never wait: every flag is set while the candidate units'
-// main loops run, and the user GEMM costs no launch or pipeline drain.
-// (A flag counter per P tile, zeroed by a memset before the launch.)
+// clusters and never wait for a candidate unit: every flag is set while the
+// candidate units' main loops run, and the user GEMM costs no launch or
+// pipeline drain. When every user tile fits in the first round twice over,
+// each tile's k-steps are split between two neighbouring user units (the
+// first stores its sum, the second adds its own with a bulk reduction once
+// the first has), so that P is ready before the first round's candidate
+// units finish their shorter main loops (user_splits). (A flag counter per
+// P tile, zeroed by a memset before the launch.)
 //
 // Orientation. Each GEMM runs transposed, out[b]^T = e[b]^T @ w^T: wgmma's
 // M side (64 rows per warpgroup) walks N, its N side walks the M rows of
@@ -131,7 +136,8 @@ struct LceSm90Params {
   int m, n;
   int user_k_steps, candidate_k_steps;
   int n_blocks, m_blocks;  // n_blocks even
-  int num_user_units;
+  int user_splits;         // user units per tile (its k-steps split between them)
+  int num_user_units;      // user tiles x user_splits
   bool paired_boxes;  // activation maps are paired_map's (N a multiple of kBlockN)
   // This launch walks units [first_unit, first_unit + num_units) of the
   // whole walk (user units, then candidate units).
@@ -206,6 +212,7 @@ struct LceSm90Kernel {
   struct Tile {
     bool user;  // a user unit (P tile) or a candidate unit (out tile)
     int batch, n_block, m_block;
+    int part;             // a user unit's part of its P tile's k-steps
     std::int64_t partial_tile;  // index of its P tile
   };
 
@@ -215,12 +222,14 @@ struct LceSm90Kernel {
 
   // Unit -> tile: user units first, then candidate units, each walking
   // (batch item, N block pair, M block); the CTA of rank r takes the pair's
-  // N block 2 * pair + r.
+  // N block 2 * pair + r. A P tile's user_splits parts are neighbouring
+  // units, so they run side by side.
   __device__ static Tile tile_at(const Params& params, int launch_unit, int rank) {
     Tile tile;
     tile.user = is_user_unit(params, launch_unit);
     const int unit = params.first_unit + launch_unit;
-    const int index = tile.user ? unit : unit - params.num_user_units;
+    tile.part = tile.user ? unit % params.user_splits : 0;
+    const int index = tile.user ? unit / params.user_splits : unit - params.num_user_units;
     const int units_per_item = params.n_blocks / kClusterSize * params.m_blocks;
     const int within_item = index % units_per_item;
     tile.batch = index / units_per_item;
@@ -241,15 +250,21 @@ struct LceSm90Kernel {
   }
 
   __device__ static int num_units(const Params& params) { return params.num_units; }
-  __device__ static int k_steps_of(const Params& params, bool user) {
-    return user ? params.user_k_steps : kPartialSteps + params.candidate_k_steps;
+  // Part p of a P tile takes its k-steps [first_k_step(p), first_k_step(p + 1)).
+  __device__ static int first_k_step(const Params& params, int part) {
+    return part * params.user_k_steps / params.user_splits;
+  }
+  __device__ static int user_k_steps_of(const Params& params, int part) {
+    return first_k_step(params, part + 1) - first_k_step(params, part);
   }
   // The consumers' (by unit index) and the producer's (by Tile).
   __device__ static int num_k_steps(const Params& params, int unit) {
-    return k_steps_of(params, is_user_unit(params, unit));
+    if (!is_user_unit(params, unit)) return kPartialSteps + params.candidate_k_steps;
+    return user_k_steps_of(params, (params.first_unit + unit) % params.user_splits);
   }
   __device__ static int num_k_steps(const Params& params, const Tile& tile) {
-    return k_steps_of(params, tile.user);
+    return tile.user ? user_k_steps_of(params, tile.part)
+                     : kPartialSteps + params.candidate_k_steps;
   }
   __device__ static int partial_step_quads(int k_step) {
     return k_step + 1 < kPartialSteps ? kQuadsPerPartialStep
@@ -275,7 +290,7 @@ struct LceSm90Kernel {
       if (step == 0) {
         // Written by a user unit's storer with bulk copies and flagged with
         // an ordinary atomic; read here by TMA (see ptx::fence_async_global).
-        ptx::wait_ready(params.user_ready + tile.partial_tile, 1);
+        ptx::wait_ready(params.user_ready + tile.partial_tile, params.user_splits);
         ptx::fence_async_global();
       }
       ptx::bulk_load(&stage,
@@ -287,7 +302,7 @@ struct LceSm90Kernel {
     const CUtensorMap* activations =
         tile.user ? &params.user_activations : &params.candidate_activations;
     const CUtensorMap* weights = tile.user ? &params.user_weights : &params.candidate_weights;
-    const int k0 = k_step * kBlockK;
+    const int k0 = (tile.user ? first_k_step(params, tile.part) + k_step : k_step) * kBlockK;
     if (params.paired_boxes) {
       // Both consumers' boxes in one copy (it lands as activations[0], [1]).
       ptx::tma_load(stage.activations[0], activations, 0, k0,
@@ -412,14 +427,25 @@ struct LceSm90Kernel {
   __device__ static void store_held(const Params& params, const Tile& tile, int,
                                     const Held& held) {
     if (tile.user) {
-      // P, one bulk copy per step image; flagged ready once it is written.
-      auto* partial =
-          reinterpret_cast<char*>(params.user_partials + tile.partial_tile * kTileElements);
+      // P, one bulk copy per step image; flagged once it is written. Part
+      // 0 stores its sum, each later part adds its own once the parts
+      // before it have (a fixed order: the same bits every run).
+      auto* partial = params.user_partials + tile.partial_tile * kTileElements;
+      int* ready = params.user_ready + tile.partial_tile;
+      if (tile.part > 0) {
+        ptx::wait_ready(ready, tile.part);
+        ptx::fence_async_global();
+      }
 #pragma unroll
       for (int step = 0; step < kPartialSteps; ++step) {
-        ptx::bulk_store(partial + std::int64_t{step} * kQuadsPerPartialStep * kQuadBytes,
-                        &held[step],
-                        static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes));
+        float* destination = partial + step * kQuadsPerPartialStep * kQuadBytes / sizeof(float);
+        const auto* source = reinterpret_cast<const float*>(&held[step]);
+        const auto bytes = static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes);
+        if (tile.part == 0) {
+          ptx::bulk_store(destination, source, bytes);
+        } else {
+          ptx::bulk_reduce_add(destination, source, bytes);
+        }
         ptx::bulk_commit_group();
       }
       ptx::bulk_wait_group_read<2>();
@@ -429,8 +455,8 @@ struct LceSm90Kernel {
       ptx::bulk_wait_group_read<0>();
       held.release(2);
       ptx::bulk_wait_group<0>();
-      ptx::fence_async_global();  // candidate units read P with TMA after the flag
-      ptx::signal_ready(params.user_ready + tile.partial_tile);
+      ptx::fence_async_global();  // the next part and the candidate units use TMA after the flag
+      ptx::signal_ready(ready);
       return;
     }
     // The output: one TMA store per consumer warpgroup (rows past M and
@@ -538,6 +564,21 @@ CUtensorMap paired_map(const void* base, std::int64_t n, std::int64_t rows, std:
                               CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
+// User units per tile (a cluster's pair of P tiles). A candidate unit needs its P tile only after its
+// main loop (Kc k-steps), while a whole user unit takes Ku, and Ku > Kc is
+// the common case (the reference shape: 19 against 14). So when every P
+// tile starts in the first round of clusters, the first round's candidate units would
+// wait for the rest of a user unit. Two halves of Ku each end sooner, and
+// cost one more flag wait and P written twice. Each part must hold a user
+// unit's kPartialSteps held stages.
+template <typename Kernel>
+int user_splits(int num_user_tiles, int user_k_steps, int max_clusters) {
+  constexpr int kSplits = 2;
+  const bool fits = std::int64_t{kSplits} * num_user_tiles <= max_clusters &&
+                    user_k_steps >= kSplits * Kernel::kPartialSteps;
+  return fits ? kSplits : 1;
+}
+
 template <typename Element>
 void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_clusters,
                   cudaStream_t stream) {
@@ -571,7 +612,9 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.candidate_k_steps = k_steps(plan.kc);
   params.n_blocks = static_cast<int>(grid.n_blocks);
   params.m_blocks = static_cast<int>(grid.m_blocks);
-  params.num_user_units = static_cast<int>(args.num_users * grid.units_per_item());
+  const auto num_user_tiles = static_cast<int>(args.num_users * grid.units_per_item());
+  params.user_splits = user_splits<Kernel>(num_user_tiles, params.user_k_steps, max_clusters);
+  params.num_user_units = num_user_tiles * params.user_splits;
   const int num_candidate_units = static_cast<int>(args.num_candidates * grid.units_per_item());
 
   IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
