@@ -31,6 +31,9 @@ constexpr ReasonName kReasonNames[] = {
     {0x10, "sync boost"},         {0x20, "sw thermal"},  {0x40, "hw thermal"},
     {0x80, "power brake"},        {0x100, "display clocks"},
 };
+// Of those, the ones that follow from what the GPU ran before (power cap,
+// hw slowdown, sw and hw thermal, power brake), which idling clears.
+constexpr std::uint64_t kTransientLimits = 0x4 | 0x8 | 0x20 | 0x40 | 0x80;
 
 }  // namespace
 
@@ -121,6 +124,20 @@ void ClockMonitor::start() {
       std::this_thread::sleep_for(std::chrono::milliseconds(kSamplePeriodMs));
     }
   });
+}
+
+int ClockMonitor::settle(int max_ms) {
+  if (!available()) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - start);
+    unsigned long long reasons = 0;
+    const bool limited = nvml_->event_reasons(nvml_->device, &reasons) == 0 &&
+                         (reasons & kTransientLimits) != 0;
+    if (!limited || waited.count() >= max_ms) return static_cast<int>(waited.count());
+    std::this_thread::sleep_for(std::chrono::milliseconds(kSettlePeriodMs));
+  }
 }
 
 ClockSummary ClockMonitor::stop() {

@@ -23,6 +23,8 @@ struct ClockSummary {
   double min_sm_mhz = 0;
   // NVML's clock event reasons seen in any sample.
   std::uint64_t reasons = 0;
+  // Milliseconds idled before the runs (ClockMonitor::settle).
+  int settled_ms = 0;
 
   // The reasons that limit the clock, by name ("power cap", "hw thermal",
   // ...; GPU idle is not one); empty when none.
@@ -48,6 +50,13 @@ class ClockMonitor {
   static constexpr int kSamplePeriodMs = 2;
   void start();
   ClockSummary stop();
+
+  // Idles until the driver reports no power or thermal limit on the clock
+  // (checked every kSettlePeriodMs), for at most max_ms; returns the
+  // milliseconds waited. The GPU must have no work queued. Returns at once
+  // when NVML is unavailable.
+  static constexpr int kSettlePeriodMs = 10;
+  int settle(int max_ms);
 
  private:
   struct Nvml;

@@ -42,7 +42,7 @@ std::string commit_id() {
 int run(const Options& options) {
   const auto start = std::chrono::steady_clock::now();
   const DeviceStream stream(options.device);
-  const Timer timer(options.device, stream.get());
+  const Timer timer(options.device, stream.get(), options.settle_ms);
   std::cerr << "measuring ceilings on " << device_name(options.device) << '\n';
   const Ceilings ceilings = measure_ceilings(timer, options.dtype);
   const RunInfo run_info{describe_device(options.device), utc_now(), commit_id(), options,

@@ -41,6 +41,10 @@ candidate GEMM's epilogue.
   --unsorted             shuffle cand_to_user (default: grouped by user)
   --reps n --warmup n    timed and untimed runs per record
                          (default 30 and 5 on a GPU, 5 and 1 on the CPU)
+  --settle-ms n          GPU: before each variant, idle until the driver reports
+                         no power or thermal limit on the SM clock, for at most
+                         n ms (default 2000; 0: never), so that no variant
+                         inherits the power state of the one before it
   --json FILE            also write the records as JSON
   --variants list        time only these variants (comma separated names)
   --profile              no timing: run each variant once between
@@ -291,6 +295,8 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
       given.reps = static_cast<int>(parse_integer(value(), name, 1));
     } else if (name == "--warmup") {
       given.warmup = static_cast<int>(parse_integer(value(), name, 0));
+    } else if (name == "--settle-ms") {
+      options.settle_ms = static_cast<int>(parse_integer(value(), name, 0));
     } else if (name == "--json") {
       options.json_path = value();
     } else if (name == "--variants") {

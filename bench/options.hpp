@@ -3,7 +3,7 @@
 //   ikbo-bench [lce|attention|linear|all] [--device cpu|cuda[:N]] [--dtype f16|bf16|f32]
 //              [--B list] [--ratio list] [--M n] [--N n] [--Ku n] [--Kc n]
 //              [--S list] [--H n] [--n-seed n] [--D n] [--jagged] [--unsorted]
-//              [--reps n] [--warmup n] [--json FILE] [--quick]
+//              [--reps n] [--warmup n] [--settle-ms n] [--json FILE] [--quick]
 //
 // Lists are comma separated. Explicit --B, --ratio and --S lists are crossed
 // with each other; a list not given takes the suite's reference value. With
@@ -67,6 +67,9 @@ struct Options {
   bool sorted_map = true;  // candidates grouped by user, as in the SPEC reference
   int reps = 0;
   int warmup = 0;
+  // GPU: the longest idle before a variant's runs, waiting for the clock's
+  // power and thermal limits to clear (0: none).
+  int settle_ms = 2000;
   std::string json_path;  // empty: no JSON
   std::vector<std::string> variants;  // empty: every variant of each suite
   // No timing: each selected variant runs once to warm up, then once between

@@ -40,10 +40,13 @@ struct Record {
   double pct_of_floor = 0;  // 100 * floor_ms / median_ms: 100 means at the roofline
   std::optional<double> speedup_vs_broadcast_copy;  // t(broadcast+copy) / t(this)
   std::optional<double> speedup_vs_broadcast;       // t(broadcast) / t(this)
-  // GPU: the SM clock during the timed runs (median and lowest sample) and
-  // what held it below its maximum (clock_monitor.hpp); empty elsewhere.
+  // GPU: the SM clock during the timed runs (median and lowest sample),
+  // what held it below its maximum, and how long the timer idled before the
+  // runs for the power and thermal limits to clear (clock_monitor.hpp);
+  // empty elsewhere.
   std::optional<double> sm_mhz, min_sm_mhz;
   std::vector<std::string> clock_limits;
+  std::optional<int> settled_ms;
 };
 
 }  // namespace ikbo::bench

@@ -156,7 +156,8 @@ JsonObject record_json(const Record& record) {
     }
     json.add("sm_mhz", record.sm_mhz)
         .add("min_sm_mhz", record.min_sm_mhz)
-        .add_json("clock_limits", limits + "]");
+        .add_json("clock_limits", limits + "]")
+        .add("settled_ms", record.settled_ms);
   }
   return json;
 }

@@ -44,7 +44,13 @@ void ShapeRecords::add(Record record) {
       char line[96];
       std::snprintf(line, sizeof line, "%.4g ms, %.0f%% of floor", record.median_ms,
                     record.pct_of_floor);
-      std::cerr << line << '\n';
+      std::cerr << line;
+      if (record.sm_mhz) {
+        std::snprintf(line, sizeof line, " (%.0f MHz after %d ms idle)", *record.sm_mhz,
+                      record.settled_ms.value_or(0));
+        std::cerr << line;
+      }
+      std::cerr << '\n';
       break;
     }
     case Outcome::skipped: std::cerr << "skipped: " << record.note << '\n'; break;
@@ -84,6 +90,7 @@ void ShapeRecords::measure(std::string_view variant, const std::function<void()>
     record.sm_mhz = clocks->median_sm_mhz;
     record.min_sm_mhz = clocks->min_sm_mhz;
     record.clock_limits = clocks->reason_names();
+    record.settled_ms = clocks->settled_ms;
   }
   add(std::move(record));
 }

@@ -40,7 +40,8 @@ std::size_t l2_flush_bytes(Device device) {
 
 }  // namespace
 
-Timer::Timer(Device device, Stream stream) : device_(device), stream_(stream) {
+Timer::Timer(Device device, Stream stream, int settle_ms)
+    : settle_ms_(settle_ms), device_(device), stream_(stream) {
   if (!device.is_cuda()) return;
 #ifdef IKBO_WITH_CUDA
   l2_flush_ = Buffer(l2_flush_bytes(device), device);
@@ -61,10 +62,15 @@ std::vector<double> Timer::run_ms(const std::function<void()>& op, int warmup, i
 std::string Timer::clock_sampling() const {
 #ifdef IKBO_WITH_CUDA
   if (clocks_) {
-    return clocks_->available()
-               ? "SM clock and its limits (NVML) sampled every " +
-                     std::to_string(ClockMonitor::kSamplePeriodMs) + " ms during the timed runs"
-               : "SM clock not sampled: " + clocks_->unavailable_reason();
+    if (!clocks_->available()) return "SM clock not sampled: " + clocks_->unavailable_reason();
+    std::string sampling = "SM clock and its limits (NVML) sampled every " +
+                           std::to_string(ClockMonitor::kSamplePeriodMs) +
+                           " ms during the timed runs";
+    if (settle_ms_ > 0) {
+      sampling += "; before each variant, idle until no power or thermal limit (at most " +
+                  std::to_string(settle_ms_) + " ms)";
+    }
+    return sampling;
   }
 #endif
   return "";
@@ -115,6 +121,11 @@ std::vector<double> Timer::run_ms_cpu(const std::function<void()>& op, int warmu
 std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warmup,
                                        int reps) const {
   const auto stream = static_cast<cudaStream_t>(stream_);
+  int settled_ms = 0;
+  if (settle_ms_ > 0) {
+    IKBO_BENCH_CHECK(cudaStreamSynchronize(stream));
+    settled_ms = clocks_->settle(settle_ms_);
+  }
   for (int i = 0; i < warmup; ++i) op();
   // One event pair per run, read after the last: the host enqueues every run
   // ahead of the GPU, so no host round trip sits between two timed runs.
@@ -129,7 +140,8 @@ std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warm
     IKBO_BENCH_CHECK(cudaEventRecord(stops[i].get(), stream));
   }
   const cudaError_t synchronized = cudaEventSynchronize(stops.back().get());
-  const ClockSummary clocks = clocks_->stop();
+  ClockSummary clocks = clocks_->stop();
+  clocks.settled_ms = settled_ms;
   last_clocks_.reset();
   if (clocks.samples > 0) last_clocks_ = clocks;
   IKBO_BENCH_CHECK(synchronized);

@@ -7,7 +7,10 @@
 // flushed, the inputs are far larger than the caches anyway.
 // Both: `warmup` untimed runs first, then `reps` timed runs. Records report
 // the median run; ceilings the fastest (the best the platform reached).
-// GPU: the SM clock is sampled during the timed runs (clock_monitor.hpp).
+// GPU: before the warm-up, the timer idles until the driver reports no
+// power or thermal limit on the clock (at most settle_ms; clock_monitor.hpp),
+// so that each variant starts from the same state rather than from what the
+// one before it left; the SM clock is sampled during the timed runs.
 #pragma once
 
 #include <functional>
@@ -24,7 +27,7 @@ namespace ikbo::bench {
 
 class Timer {
  public:
-  Timer(Device device, Stream stream);
+  Timer(Device device, Stream stream, int settle_ms);
 
   // Milliseconds of each timed run, in run order.
   std::vector<double> run_ms(const std::function<void()>& op, int warmup, int reps) const;
@@ -48,6 +51,7 @@ class Timer {
   Buffer l2_flush_;
   std::unique_ptr<ClockMonitor> clocks_;
 #endif
+  int settle_ms_;
   mutable std::optional<ClockSummary> last_clocks_;
 
   Device device_;

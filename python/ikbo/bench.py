@@ -39,7 +39,9 @@ it is timed; one that differs is reported as failed, not timed. GPU:
 CUDA events around each run, a write over twice the L2 size before each run
 (outside the events) so no run finds the previous one's data in cache, and
 the SM clock sampled through NVML during the timed runs (``ClockMonitor``:
-records gain ``sm_mhz``, ``min_sm_mhz``, ``clock_limits``). CPU:
+records gain ``sm_mhz``, ``min_sm_mhz``, ``clock_limits``), after idling
+until the driver reports no power or thermal limit on it (``--settle-ms``;
+the wait is the records' ``settled_ms``). CPU:
 ``time.perf_counter``. Both report the median of ``--reps`` runs after
 ``--warmup`` untimed ones. A request has U = round(B / ratio) users with
 candidate counts spread as evenly as possible (where B / U is whole, every
@@ -182,6 +184,11 @@ _CLOCK_LIMITS = (
 )
 
 
+# Of those, the limits that follow from what the GPU ran before (power cap,
+# hw slowdown, sw and hw thermal, power brake), which idling clears.
+_TRANSIENT_LIMITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
 def clock_limit_names(reasons: int) -> list[str]:
     """The names of the clock event reasons set in NVML's bit mask ``reasons``
     (GPU idle, 0x1, is not a limit and is left out)."""
@@ -197,6 +204,7 @@ class ClockMonitor:
     is False, with ``unavailable_reason``, where NVML cannot be reached."""
 
     PERIOD_S = 0.002
+    SETTLE_PERIOD_S = 0.01
 
     def __init__(self, device: torch.device) -> None:
         self._nvml = self._handle = None
@@ -234,6 +242,24 @@ class ClockMonitor:
     @property
     def available(self) -> bool:
         return self._nvml is not None
+
+    def settle(self, max_ms: int) -> int:
+        """Idles until the driver reports no power or thermal limit on the
+        clock (checked every ``SETTLE_PERIOD_S``), for at most ``max_ms``;
+        returns the milliseconds waited. The GPU must have no work queued."""
+        if not self.available:
+            return 0
+        start = time.perf_counter()
+        while True:
+            waited_ms = round((time.perf_counter() - start) * 1e3)
+            reasons = ctypes.c_ulonglong()
+            limited = (
+                self._reasons_of(self._handle, ctypes.byref(reasons)) == 0
+                and reasons.value & _TRANSIENT_LIMITS
+            )
+            if not limited or waited_ms >= max_ms:
+                return waited_ms
+            time.sleep(self.SETTLE_PERIOD_S)
 
     def _sample(self) -> None:
         mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
@@ -279,13 +305,21 @@ class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data, and the SM clock is sampled during the timed
-    runs (``last_clocks``); on the CPU runs are timed with ``perf_counter``."""
+    the previous run's data; before the warm-up the timer idles until the
+    driver reports no power or thermal limit on the clock (at most
+    ``settle_ms``), so each variant starts from the same state rather than
+    from what the one before it left; the SM clock is sampled during the
+    timed runs (``last_clocks``). On the CPU runs are timed with
+    ``perf_counter``."""
 
-    def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
-        if reps < 1 or warmup < 0:
-            raise ValueError(f"reps must be >= 1 and warmup >= 0, got {reps} and {warmup}")
+    def __init__(self, device: torch.device, reps: int, warmup: int, settle_ms: int = 2000) -> None:
+        if reps < 1 or warmup < 0 or settle_ms < 0:
+            raise ValueError(
+                "reps must be >= 1, warmup and settle_ms >= 0, "
+                f"got {reps}, {warmup} and {settle_ms}"
+            )
         self.device, self.reps, self.warmup = device, reps, warmup
+        self.settle_ms = settle_ms
         self._l2_flush = None
         self._clocks: ClockMonitor | None = None
         self.last_clocks: dict | None = None
@@ -302,7 +336,15 @@ class Timer:
         if not self._clocks.available:
             return f"SM clock not sampled: {self._clocks.unavailable_reason}"
         period_ms = round(ClockMonitor.PERIOD_S * 1e3)
-        return f"SM clock and its limits (NVML) sampled every {period_ms} ms during the timed runs"
+        sampling = (
+            f"SM clock and its limits (NVML) sampled every {period_ms} ms during the timed runs"
+        )
+        if self.settle_ms > 0:
+            sampling += (
+                "; before each variant, idle until no power or thermal limit "
+                f"(at most {self.settle_ms} ms)"
+            )
+        return sampling
 
     @property
     def method(self) -> str:
@@ -319,6 +361,10 @@ class Timer:
         def arguments() -> tuple:
             return before_each() if before_each is not None else ()
 
+        settled_ms = 0
+        if self._clocks is not None and self.settle_ms > 0:
+            torch.cuda.synchronize(self.device)
+            settled_ms = self._clocks.settle(self.settle_ms)
         for _ in range(self.warmup):
             run(*arguments())
         if self._l2_flush is None:
@@ -344,6 +390,8 @@ class Timer:
             torch.cuda.synchronize(self.device)
         finally:
             self.last_clocks = self._clocks.stop()
+            if self.last_clocks is not None:
+                self.last_clocks["settled_ms"] = settled_ms
         return [start.elapsed_time(end) for start, end in events]
 
     def median_ms(
@@ -1111,7 +1159,9 @@ def run_suite(
             note = f"{suite.name} {shape.label()}: {variant.name} {median_ms:.3f} ms"
             if clocks:
                 limits = "".join(f", {limit}" for limit in clocks["clock_limits"])
-                note += f" ({clocks['sm_mhz']:.0f} MHz{limits})"
+                note += (
+                    f" ({clocks['sm_mhz']:.0f} MHz{limits}, after {clocks['settled_ms']} ms idle)"
+                )
             _progress(note)
             measured.append(
                 {
@@ -1521,6 +1571,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--reps", type=int, help="timed runs per variant (default: 30 GPU, 5 CPU)")
     parser.add_argument("--warmup", type=int, help="untimed runs first (default: 5 GPU, 1 CPU)")
+    parser.add_argument(
+        "--settle-ms",
+        type=int,
+        default=2000,
+        help="GPU: before each variant, idle until the driver reports no power or thermal "
+        "limit on the SM clock, for at most this long (default 2000; 0: never)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the records to FILE")
     parser.add_argument("--plot", metavar="DIR", help="draw PNG plots into DIR (needs matplotlib)")
     return parser
@@ -1547,6 +1604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device,
         reps=options.reps if options.reps is not None else (30 if gpu else 5),
         warmup=options.warmup if options.warmup is not None else (5 if gpu else 1),
+        settle_ms=options.settle_ms,
     )
     lce_sweeps, attention_sweeps = (LCE_GPU, ATTENTION_GPU) if gpu else (LCE_CPU, ATTENTION_CPU)
     linear_sweeps = LINEAR_GPU if gpu else LINEAR_CPU

@@ -262,11 +262,14 @@ def test_cupy_arrays():
 def test_bench_timer_samples_the_sm_clock():
     from ikbo import bench
 
-    timer = bench.Timer(DEVICE, reps=3, warmup=1)
+    timer = bench.Timer(DEVICE, reps=3, warmup=1, settle_ms=50)
     a = torch.ones(2048, 2048, device=DEVICE, dtype=torch.float16)
     assert len(timer.samples_ms(lambda: a @ a)) == 3
     if timer.clock_sampling.startswith("SM clock not sampled"):
         pytest.skip(timer.clock_sampling)
+    assert "at most 50 ms" in timer.clock_sampling
     clocks = timer.last_clocks
     assert 0 < clocks["min_sm_mhz"] <= clocks["sm_mhz"]
     assert set(clocks["clock_limits"]) <= {name for _, name in bench._CLOCK_LIMITS}
+    # The idle before the runs stops at its bound (plus one poll and the call).
+    assert 0 <= clocks["settled_ms"] <= 50 + 1e3 * bench.ClockMonitor.SETTLE_PERIOD_S + 20
