@@ -2,8 +2,9 @@
 // the fp64 reference on the published grid's widths (M in {128, 433},
 // N = 256, Ku in {1024, 1025, 1184}, Kc in {1023, 1024, 872}, the reference
 // 433/866/1178) at small B, with unsorted maps, users without candidates,
-// U = 1, U = B, B = 1, K in {1, 17}, N in {8, 24, 256, 264} and enough work units to make every
-// cluster of the persistent grid take several; its max abs error against
+// U = 1, U = B, B = 1, K in {1, 17}, N in {8, 24, 256, 264}, enough work units to make every
+// cluster of the persistent grid take several, and user tiles split between
+// two units (few users, long Ku); its max abs error against
 // that of the cuBLAS path (the same call with the Hopper path switched off);
 // bitwise-identical repeated runs; an Inf in the next candidate's or user's
 // rows never reaching out; and the fallback for shapes it does not take.
@@ -139,6 +140,10 @@ class LceSm90Test : public testing::Test {
 // grid takes several, the stage ring wraps across units, and candidate
 // units wait for user units of later rounds.
 const LceShape kManyUnits{433, 136, 72, 256, 80, 70};
+// 420 work units over few users: each user tile's k-steps are split between
+// two user units (the second adds its sum to the first's with a bulk
+// reduction), and every cluster takes several candidate units after them.
+const LceShape kSplitUserTiles{433, 136, 1178, 256, 200, 5};
 
 const std::vector<LceCase>& sm90_cases() {
   static const std::vector<LceCase> cases = {
@@ -155,6 +160,7 @@ const std::vector<LceCase>& sm90_cases() {
       {"one_candidate", {433, 866, 1178, 256, 1, 1}, MapOrder::sorted},
       {"k1_k17", {128, 1, 17, 256, 7, 3}, MapOrder::uneven_unsorted},
       {"many_units", kManyUnits, MapOrder::uneven_unsorted},
+      {"split_user_tiles", kSplitUserTiles, MapOrder::uneven_unsorted},
   };
   return cases;
 }
@@ -237,18 +243,20 @@ TEST_F(LceSm90Test, InfInTheNextCandidateOrUserNeverReachesOut) {
   }
 }
 
-// The long walk with ikbo's kernel alone (no cuBLAS comparison): the test
+// The long walks with ikbo's kernel alone (no cuBLAS comparison): the test
 // device-check runs under racecheck and synccheck, which report hazards in
 // cuBLAS's own kernels.
 TEST_F(LceSm90Test, LongWalkMatchesReferenceAndRepeatsBitwise) {
-  SeededRng rng;
-  const LceProblem problem =
-      random_problem(rng, DType::bf16, kManyUnits, MapOrder::uneven_unsorted);
-  ASSERT_TRUE(sm90_takes(problem.plan, problem.shape));
-  const Sm90Path on(true);
-  const std::vector<double> out = problem.run();
-  EXPECT_TRUE(matches_reference(out, problem.expected(), DType::bf16));
-  EXPECT_TRUE(exactly_equal(problem.run(), out)) << "two runs on identical inputs differ";
+  for (const LceShape& shape : {kManyUnits, kSplitUserTiles}) {
+    SCOPED_TRACE(testing::Message() << "Ku " << shape.ku << ", U " << shape.num_users);
+    SeededRng rng;
+    const LceProblem problem = random_problem(rng, DType::bf16, shape, MapOrder::uneven_unsorted);
+    ASSERT_TRUE(sm90_takes(problem.plan, problem.shape));
+    const Sm90Path on(true);
+    const std::vector<double> out = problem.run();
+    EXPECT_TRUE(matches_reference(out, problem.expected(), DType::bf16));
+    EXPECT_TRUE(exactly_equal(problem.run(), out)) << "two runs on identical inputs differ";
+  }
 }
 
 // N = 12 is not a multiple of 8 (TMA row strides are 16-byte multiples):
