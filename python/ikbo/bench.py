@@ -252,21 +252,23 @@ class ClockMonitor:
         start = time.perf_counter()
         while True:
             waited_ms = round((time.perf_counter() - start) * 1e3)
-            reasons = ctypes.c_ulonglong()
-            limited = (
-                self._reasons_of(self._handle, ctypes.byref(reasons)) == 0
-                and reasons.value & _TRANSIENT_LIMITS
-            )
+            limited = (self._current_reasons() or 0) & _TRANSIENT_LIMITS
             if not limited or waited_ms >= max_ms:
                 return waited_ms
             time.sleep(self.SETTLE_PERIOD_S)
 
+    def _current_reasons(self) -> int | None:
+        """NVML's clock event reasons now, or None if the call failed."""
+        reasons = ctypes.c_ulonglong()
+        if self._reasons_of(self._handle, ctypes.byref(reasons)) != 0:
+            return None
+        return reasons.value
+
     def _sample(self) -> None:
-        mhz, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+        mhz = ctypes.c_uint()
         if self._nvml.nvmlDeviceGetClockInfo(self._handle, 1, ctypes.byref(mhz)) == 0:  # SM
             self._mhz.append(mhz.value)
-        if self._reasons_of(self._handle, ctypes.byref(reasons)) == 0:
-            self._reasons |= reasons.value
+        self._reasons |= self._current_reasons() or 0
 
     def start(self) -> None:
         if not self.available:

@@ -257,14 +257,16 @@ struct LceSm90Kernel {
   __device__ static int user_k_steps_of(const Params& params, int part) {
     return first_k_step(params, part + 1) - first_k_step(params, part);
   }
+  __device__ static int k_steps_of(const Params& params, bool user, int part) {
+    return user ? user_k_steps_of(params, part) : kPartialSteps + params.candidate_k_steps;
+  }
   // The consumers' (by unit index) and the producer's (by Tile).
   __device__ static int num_k_steps(const Params& params, int unit) {
-    if (!is_user_unit(params, unit)) return kPartialSteps + params.candidate_k_steps;
-    return user_k_steps_of(params, (params.first_unit + unit) % params.user_splits);
+    return k_steps_of(params, is_user_unit(params, unit),
+                      (params.first_unit + unit) % params.user_splits);
   }
   __device__ static int num_k_steps(const Params& params, const Tile& tile) {
-    return tile.user ? user_k_steps_of(params, tile.part)
-                     : kPartialSteps + params.candidate_k_steps;
+    return k_steps_of(params, tile.user, tile.part);
   }
   __device__ static int partial_step_quads(int k_step) {
     return k_step + 1 < kPartialSteps ? kQuadsPerPartialStep
@@ -274,14 +276,18 @@ struct LceSm90Kernel {
   __device__ static int partial_step(const Params& params, int k_step) {
     return k_step >= params.candidate_k_steps ? k_step - params.candidate_k_steps : -1;
   }
+  __device__ static std::uint32_t partial_step_bytes(int step) {
+    return static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes);
+  }
   __device__ static std::uint32_t stage_bytes(const Params& params, const Tile& tile,
                                               int k_step) {
     const int step = tile.user ? -1 : partial_step(params, k_step);
-    if (step >= 0) return static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes);
-    return kStageBytes;
+    return step >= 0 ? partial_step_bytes(step) : kStageBytes;
   }
-  __device__ static const float* partial_tile(const Params& params, const Tile& tile) {
-    return params.user_partials + tile.partial_tile * kTileElements;
+  // Step image `step` of the tile's P in the workspace.
+  __device__ static float* partial_image(const Params& params, const Tile& tile, int step) {
+    return params.user_partials + tile.partial_tile * kTileElements +
+           step * kQuadsPerPartialStep * kQuadBytes / sizeof(float);
   }
 
   __device__ static void load(const Params& params, const Tile& tile, int rank, int k_step,
@@ -293,10 +299,7 @@ struct LceSm90Kernel {
         ptx::wait_ready(params.user_ready + tile.partial_tile, params.user_splits);
         ptx::fence_async_global();
       }
-      ptx::bulk_load(&stage,
-                     reinterpret_cast<const char*>(partial_tile(params, tile)) +
-                         std::int64_t{step} * kQuadsPerPartialStep * kQuadBytes,
-                     stage_bytes(params, tile, k_step), full);
+      ptx::bulk_load(&stage, partial_image(params, tile, step), partial_step_bytes(step), full);
       return;
     }
     const CUtensorMap* activations =
@@ -430,7 +433,6 @@ struct LceSm90Kernel {
       // P, one bulk copy per step image; flagged once it is written. Part
       // 0 stores its sum, each later part adds its own once the parts
       // before it have (a fixed order: the same bits every run).
-      auto* partial = params.user_partials + tile.partial_tile * kTileElements;
       int* ready = params.user_ready + tile.partial_tile;
       if (tile.part > 0) {
         ptx::wait_ready(ready, tile.part);
@@ -438,13 +440,12 @@ struct LceSm90Kernel {
       }
 #pragma unroll
       for (int step = 0; step < kPartialSteps; ++step) {
-        float* destination = partial + step * kQuadsPerPartialStep * kQuadBytes / sizeof(float);
+        float* destination = partial_image(params, tile, step);
         const auto* source = reinterpret_cast<const float*>(&held[step]);
-        const auto bytes = static_cast<std::uint32_t>(partial_step_quads(step) * kQuadBytes);
         if (tile.part == 0) {
-          ptx::bulk_store(destination, source, bytes);
+          ptx::bulk_store(destination, source, partial_step_bytes(step));
         } else {
-          ptx::bulk_reduce_add(destination, source, bytes);
+          ptx::bulk_reduce_add(destination, source, partial_step_bytes(step));
         }
         ptx::bulk_commit_group();
       }
@@ -564,13 +565,14 @@ CUtensorMap paired_map(const void* base, std::int64_t n, std::int64_t rows, std:
                               CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// User units per tile (a cluster's pair of P tiles). A candidate unit needs its P tile only after its
-// main loop (Kc k-steps), while a whole user unit takes Ku, and Ku > Kc is
-// the common case (the reference shape: 19 against 14). So when every P
-// tile starts in the first round of clusters, the first round's candidate units would
-// wait for the rest of a user unit. Two halves of Ku each end sooner, and
-// cost one more flag wait and P written twice. Each part must hold a user
-// unit's kPartialSteps held stages.
+// User units per tile (a cluster's pair of P tiles). A candidate unit needs
+// its P tile only after its main loop (Kc k-steps), while a whole user unit
+// takes Ku, and Ku > Kc is the common case (the reference shape: 19 against
+// 14). So when every P tile starts in the first round of clusters, the
+// first round's candidate units would wait for the rest of a user unit.
+// Two halves of Ku each end sooner, and cost one more flag wait and P
+// written twice. Each part must hold a user unit's kPartialSteps held
+// stages.
 template <typename Kernel>
 int user_splits(int num_user_tiles, int user_k_steps, int max_clusters) {
   constexpr int kSplits = 2;
