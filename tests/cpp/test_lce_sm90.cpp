@@ -243,18 +243,25 @@ TEST_F(LceSm90Test, InfInTheNextCandidateOrUserNeverReachesOut) {
   }
 }
 
-// The long walk with ikbo's kernel alone (no cuBLAS comparison): the test
-// device-check runs under racecheck and synccheck, which report hazards in
-// cuBLAS's own kernels.
-TEST_F(LceSm90Test, LongWalkMatchesReferenceAndRepeatsBitwise) {
+// The walks of many units with ikbo's kernel alone (no cuBLAS comparison):
+// the tests device-check runs under racecheck and synccheck, which report
+// hazards in cuBLAS's own kernels.
+void expect_walk_matches_and_repeats(const LceShape& shape) {
   SeededRng rng;
-  const LceProblem problem =
-      random_problem(rng, DType::bf16, kManyUnits, MapOrder::uneven_unsorted);
+  const LceProblem problem = random_problem(rng, DType::bf16, shape, MapOrder::uneven_unsorted);
   ASSERT_TRUE(sm90_takes(problem.plan, problem.shape));
   const Sm90Path on(true);
   const std::vector<double> out = problem.run();
   EXPECT_TRUE(matches_reference(out, problem.expected(), DType::bf16));
   EXPECT_TRUE(exactly_equal(problem.run(), out)) << "two runs on identical inputs differ";
+}
+
+TEST_F(LceSm90Test, LongWalkMatchesReferenceAndRepeatsBitwise) {
+  expect_walk_matches_and_repeats(kManyUnits);
+}
+
+TEST_F(LceSm90Test, SplitUserTilesMatchReferenceAndRepeatBitwise) {
+  expect_walk_matches_and_repeats(kSplitUserTiles);
 }
 
 // N = 12 is not a multiple of 8 (TMA row strides are 16-byte multiples):
