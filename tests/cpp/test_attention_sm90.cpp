@@ -112,6 +112,16 @@ class PathScope {
 #endif
 };
 
+// Jagged lengths of every size from 0 up to five 128-key blocks, in no
+// particular order of users.
+std::vector<std::int64_t> scattered_lengths(std::int64_t num_users) {
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(num_users));
+  for (std::int64_t u = 0; u < num_users; ++u) {
+    lengths[static_cast<std::size_t>(u)] = u % 9 == 4 ? 0 : (u * 7919) % 640 + 1;
+  }
+  return lengths;
+}
+
 const std::vector<AttentionCase>& sm90_cases() {
   static const std::vector<AttentionCase> cases = {
       {"seed1_d64_h1_s1", 5, 3, 1, 1, 64, 1, {}, MapOrder::unsorted, std::nullopt},
@@ -143,6 +153,16 @@ const std::vector<AttentionCase>& sm90_cases() {
        std::nullopt},
       {"many_units_seed37_d256_h6_s130", 200, 3, 37, 6, 256, 130, {}, MapOrder::unsorted,
        std::nullopt},
+      // Jagged K/V of at most 96 (D = 128) or 256 (D = 64) users is walked
+      // in decreasing order of length, in snake rounds, by the default
+      // schedule; more users, and the other schedules, walk in the users'
+      // own order (the test compares the schedules bitwise).
+      {"jagged_length_order_96_users_d128_h4", 400, 96, 5, 4, 128, 0, scattered_lengths(96),
+       MapOrder::uneven_unsorted, std::nullopt},
+      {"jagged_length_order_256_users_d64_h3", 900, 256, 37, 3, 64, 0, scattered_lengths(256),
+       MapOrder::unsorted, std::nullopt},
+      {"jagged_user_order_97_users_d128_h2", 300, 97, 5, 2, 128, 0, scattered_lengths(97),
+       MapOrder::uneven_unsorted, std::nullopt},
   };
   return cases;
 }

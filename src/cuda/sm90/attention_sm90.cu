@@ -22,6 +22,10 @@
 // so a unit finds its user by binary search over user_offsets with no
 // per-call table. The producer and the loaders decode each unit that way;
 // the consumers read the loaders' description from the unit's Q slot.
+// Jagged K/V of few users (length_order_users) is walked instead in
+// decreasing order of the users' lengths and in snake rounds, through a
+// table the producer warpgroup builds in shared memory at the start
+// (kLengthOrder, prepare_walk), so that the CTAs' loads even out.
 // Consecutive units are the heads and tiles of one user: the persistent
 // grid (CTA c takes units c, c + grid, ...) runs a user's units side by
 // side, and its K/V comes from DRAM once and from L2 after.
@@ -159,6 +163,14 @@ constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 // consumer thread's registers).
 constexpr int block_keys(std::int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
 
+// Jagged K/V with at most this many users is walked in length order (the
+// kLengthOrder kernels). The table takes 8 bytes per user of shared memory:
+// at D = 128, 96 users keep the kernel within the 196 KiB carve-out step
+// (more would halve L1), D = 64 has room for more, D = 256 for none.
+constexpr int length_order_users(std::int64_t head_dim) {
+  return head_dim == 64 ? 256 : head_dim == 128 ? 96 : 0;
+}
+
 struct AttentionSm90Params {
   // Boxes {64 d, 1 head, kBlockN keys} (jagged, {D, H, rows}) or
   // {64 d, 1 head, kBlockN keys, 1 user} (dense, {D, H, S, U}).
@@ -209,7 +221,8 @@ __device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
   return static_cast<std::uint32_t>((slice / 4) * (kRows * kSwizzleRowBytes) + (slice % 4) * 32);
 }
 
-template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead>
+template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
+          bool kLengthOrder = false>
 struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
@@ -248,11 +261,22 @@ struct AttentionSm90Kernel {
   // The tiles, whose sizes are whole swizzle atoms, from the 1024-byte
   // aligned start; the slots' rows and units after them (at D = 256 the
   // padding of a 1024-aligned slot would not fit in shared memory).
-  struct SharedStorage {
+  struct TileStorage {
     Stage stages[kStages];
     QTile q_tiles[kUnitStages];
     UnitMeta unit_meta[kUnitStages];
   };
+  // kLengthOrder: the walk's order of users (prepare_walk).
+  static constexpr int kOrderedUsers = length_order_users(kHeadDim);
+  static_assert(!kLengthOrder || kOrderedUsers > 0, "no room for the length order at this D");
+  struct WalkOrder {
+    std::int32_t user[kOrderedUsers];            // the user of rank r
+    std::int32_t first_slot[kOrderedUsers + 1];  // the first slot of rank r
+  };
+  struct OrderedStorage : TileStorage {
+    WalkOrder walk_order;
+  };
+  using SharedStorage = std::conditional_t<kLengthOrder, OrderedStorage, TileStorage>;
   static_assert(sizeof(Stage) % kSharedAlignment == 0 &&
                     sizeof(Stage::tile[0]) % kSharedAlignment == 0 &&
                     sizeof(QTile::q[0]) % kSharedAlignment == 0 &&
@@ -266,30 +290,133 @@ struct AttentionSm90Kernel {
     return static_cast<std::int64_t>(params.user_offsets[user]) * params.n_seed / kBlockM + user;
   }
 
-  __device__ static UnitInfo describe(const Params& params, int unit) {
-    UnitInfo info;
-    info.head = unit % params.heads;
+  // kLengthOrder (jagged K/V, at most kOrderedUsers users): the walk takes
+  // the users in decreasing order of K/V length, users without candidates
+  // last, so the longest units come first and the short ones even out the
+  // CTAs' loads at the end; and every other full round of the grid runs
+  // backwards (snake order), so a CTA that took one of a round's longer
+  // units takes one of the next round's shorter ones. A user's slots stay
+  // together, so its heads and tiles still run side by side. Measured
+  // (bench/notes/attention_sm90.md, session 18): +1 to +3% at S = 512 ...
+  // 4096 with lengths uniform in [S/2, 3S/2]; modelled: more the more the
+  // lengths differ. The table: ranks by counting (thread t ranks users t,
+  // t + 128, ...; ties by index), then the slot counts in rank order and
+  // their prefix (warp 0).
+  __device__ static void prepare_walk(const Params& params, SharedStorage& shared, int thread)
+    requires kLengthOrder
+  {
+    WalkOrder& order = shared.walk_order;
+    const int users = params.num_users;
+    constexpr int kThreads = kWarpgroupThreads;
+    constexpr int kUsersPerThread = (kOrderedUsers + kThreads - 1) / kThreads;
+    // The ranking's keys, in first_slot[] until the slot counts replace them.
+    for (int u = thread; u < users; u += kThreads) {
+      const bool has_rows = params.user_offsets[u + 1] > params.user_offsets[u];
+      order.first_slot[u] = has_rows ? params.kv_offsets[u + 1] - params.kv_offsets[u] : -1;
+    }
+    ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
+    int ranks[kUsersPerThread];
+#pragma unroll
+    for (int i = 0; i < kUsersPerThread; ++i) {
+      const int u = thread + i * kThreads;
+      if (u >= users) break;
+      const std::int32_t key = order.first_slot[u];
+      int rank = 0;
+      for (int v = 0; v < users; ++v) {
+        const std::int32_t other = order.first_slot[v];
+        rank += other > key || (other == key && v < u);
+      }
+      ranks[i] = rank;
+    }
+    ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
+#pragma unroll
+    for (int i = 0; i < kUsersPerThread; ++i) {
+      const int u = thread + i * kThreads;
+      if (u >= users) break;
+      order.user[ranks[i]] = u;
+      order.first_slot[ranks[i] + 1] =
+          static_cast<std::int32_t>(first_slot(params, u + 1) - first_slot(params, u));
+    }
+    ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
+    if (thread < 32) {
+      // Inclusive scan of first_slot[1 .. users], 32 entries a pass.
+      std::int32_t carry = 0;
+      for (int base = 1; base <= users; base += 32) {
+        const int r = base + thread;
+        std::int32_t value = r <= users ? order.first_slot[r] : 0;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset *= 2) {
+          const std::int32_t lower = __shfl_up_sync(kFullWarp, value, offset);
+          if (thread >= offset) value += lower;
+        }
+        if (r <= users) order.first_slot[r] = carry + value;
+        carry += __shfl_sync(kFullWarp, value, 31);
+      }
+      if (thread == 0) order.first_slot[0] = 0;
+    }
+  }
+
+  // The unit the walk's `index` stands for (snake rounds).
+  __device__ static int snake_unit(const Params& params, int index) {
+    const int grid = static_cast<int>(gridDim.x);
+    const int round = index / grid;
+    if (round % 2 == 0 || (round + 1) * grid > params.num_units) return index;
+    return round * grid + (grid - 1 - index % grid);
+  }
+
+  __device__ static UnitInfo describe(const Params& params, const SharedStorage& shared,
+                                      int index)
+    requires kLengthOrder
+  {
+    const WalkOrder& order = shared.walk_order;
+    const int unit = snake_unit(params, index);
     const std::int64_t slot = unit / params.heads;
-    // The last user whose first slot is <= slot (first slots strictly increase).
-    int low = 0, high = params.num_users;
+    const int rank = last_at_most(params.num_users, slot,
+                                  [&](int r) -> std::int64_t { return order.first_slot[r]; });
+    return describe_slot(params, unit % params.heads, order.user[rank],
+                         slot - order.first_slot[rank]);
+  }
+
+  __device__ static UnitInfo describe(const Params& params, int unit)
+    requires(!kLengthOrder)
+  {
+    const std::int64_t slot = unit / params.heads;
+    const int user = last_at_most(params.num_users, slot,
+                                  [&](int u) { return first_slot(params, u); });
+    return describe_slot(params, unit % params.heads, user, slot - first_slot(params, user));
+  }
+
+  // The last index i < n with first(i) <= slot (first strictly increases,
+  // first(0) = 0 <= slot).
+  template <class First>
+  __device__ __forceinline__ static int last_at_most(int n, std::int64_t slot, First&& first) {
+    int low = 0, high = n;
     while (high - low > 1) {
       const int middle = (low + high) / 2;
-      if (first_slot(params, middle) <= slot) {
+      if (first(middle) <= slot) {
         low = middle;
       } else {
         high = middle;
       }
     }
-    info.user = low;
-    info.group_begin = params.user_offsets[low];
+    return low;
+  }
+
+  // Tile `tile` of `user`'s query rows, head `head`.
+  __device__ static UnitInfo describe_slot(const Params& params, int head, int user,
+                                           std::int64_t tile) {
+    UnitInfo info;
+    info.head = head;
+    info.user = user;
+    info.first_row = tile * kBlockM;
+    info.group_begin = params.user_offsets[user];
     const std::int64_t user_rows =
-        (params.user_offsets[low + 1] - info.group_begin) * params.n_seed;
-    info.first_row = (slot - first_slot(params, low)) * kBlockM;
+        (params.user_offsets[user + 1] - info.group_begin) * params.n_seed;
     info.rows = static_cast<int>(
         std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kBlockM));
     if (params.kv_offsets != nullptr) {
-      info.kv_row = params.kv_offsets[low];
-      info.kv_length = params.kv_offsets[low + 1] - params.kv_offsets[low];
+      info.kv_row = params.kv_offsets[user];
+      info.kv_length = params.kv_offsets[user + 1] - params.kv_offsets[user];
     } else {
       info.kv_length = params.dense_seq_len;
     }
@@ -852,8 +979,11 @@ struct DeviceSupport {
 
 // Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
 // *_lookahead schedule runs without the look-ahead, see the header comment).
+// length_order picks the kLengthOrder kernel of the default schedule where
+// D has room for its table; the other schedules, kept for comparison, walk
+// in the users' order.
 template <typename Element, int kHeadDim, typename Fn>
-void with_schedule(AttentionSm90Schedule schedule, Fn&& fn) {
+void with_schedule(AttentionSm90Schedule schedule, bool length_order, Fn&& fn) {
   constexpr bool kLookahead = kHeadDim <= 128;
   switch (schedule) {
     case AttentionSm90Schedule::ping_pong:
@@ -863,19 +993,25 @@ void with_schedule(AttentionSm90Schedule schedule, Fn&& fn) {
     case AttentionSm90Schedule::ping_pong_lookahead:
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
+      if constexpr (length_order_users(kHeadDim) > 0) {
+        if (length_order) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, true>{});
+        }
+      }
       return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead>{});
   }
   throw RuntimeError("attention_sm90: unknown schedule");
 }
 
-// Calls fn(Kernel{}) for every schedule's kernel.
+// Calls fn(Kernel{}) for every kernel of every schedule.
 template <typename Element, int kHeadDim, typename Fn>
 void for_each_schedule(Fn&& fn) {
   for (const AttentionSm90Schedule schedule :
        {AttentionSm90Schedule::ping_pong, AttentionSm90Schedule::cooperative,
         AttentionSm90Schedule::ping_pong_lookahead, AttentionSm90Schedule::cooperative_lookahead}) {
-    with_schedule<Element, kHeadDim>(schedule, fn);
+    with_schedule<Element, kHeadDim>(schedule, false, fn);
   }
+  with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead, true, fn);
 }
 
 template <typename Fn>
@@ -968,8 +1104,8 @@ void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t
 
 template <typename Element, int kHeadDim>
 void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
-                     int multiprocessors, cudaStream_t stream) {
-  with_schedule<Element, kHeadDim>(schedule, [&](auto kernel_traits) {
+                     bool length_order, int multiprocessors, cudaStream_t stream) {
+  with_schedule<Element, kHeadDim>(schedule, length_order, [&](auto kernel_traits) {
     launch<decltype(kernel_traits)>(params, multiprocessors, stream);
   });
 }
@@ -994,9 +1130,11 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
+  const bool length_order =
+      args.kv_offsets != nullptr && args.num_users <= length_order_users(args.head_dim);
   with_head_dim(args, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    launch_schedule<Element, kHeadDim>(params, schedule, multiprocessors, stream);
+    launch_schedule<Element, kHeadDim>(params, schedule, length_order, multiprocessors, stream);
   });
 }
 

@@ -74,7 +74,11 @@
 //     pipeline's own consumer loop still passes the index to its hooks
 //     (num_k_steps included), so a kernel that describes its units for the
 //     producer keeps those on the index. Without it the UnitInfo is the
-//     index.
+//     index. A kernel may take the shared storage too,
+//     describe(params, shared, unit), and fill what it reads there in
+//       prepare_walk(params, shared, thread)  the producer warpgroup's 128
+//         threads, once, before any of its roles starts its walk (e.g. a
+//         per-launch table of the walk's order).
 //
 //   Per-unit operands: kUnitStages > 0 adds a second ring of kUnitStages
 //     slots (laid out in SharedStorage by the kernel) for operands that
@@ -234,9 +238,17 @@ inline constexpr int kHeldStagesBarrier = 15;
 template <class Kernel>
 using KernelBarriers = PipelineBarriers<Kernel::kStages, unit_stages<Kernel>()>;
 
+// The named barrier at which the producer warpgroup meets after
+// prepare_walk.
+inline constexpr int kPrepareWalkBarrier = 14;
+
 template <class Kernel>
-__device__ __forceinline__ auto describe_unit(const typename Kernel::Params& params, int unit) {
-  if constexpr (requires { Kernel::describe(params, unit); }) {
+__device__ __forceinline__ auto describe_unit(const typename Kernel::Params& params,
+                                              const typename Kernel::SharedStorage& shared,
+                                              int unit) {
+  if constexpr (requires { Kernel::describe(params, shared, unit); }) {
+    return Kernel::describe(params, shared, unit);
+  } else if constexpr (requires { Kernel::describe(params, unit); }) {
     return Kernel::describe(params, unit);
   } else {
     return unit;
@@ -456,6 +468,10 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
 
   if (warpgroup == 0) {
     ptx::setmaxnreg_decrease<Kernel::kProducerRegisters>();
+    if constexpr (requires { Kernel::prepare_walk(params, shared, 0); }) {
+      Kernel::prepare_walk(params, shared, static_cast<int>(threadIdx.x));
+      ptx::named_barrier_sync<kWarpgroupThreads>(kPrepareWalkBarrier);
+    }
     read_walk();
     const int warp = static_cast<int>(threadIdx.x) / 32;
     if constexpr (has_fix_up_warp<Kernel>()) {
@@ -466,7 +482,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         const int lane = static_cast<int>(threadIdx.x) % 32;
         PipelineState<kStages> state;
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
-          const auto info = describe_unit<Kernel>(params, unit);
+          const auto info = describe_unit<Kernel>(params, shared, unit);
           const int k_steps = Kernel::num_k_steps(params, info);
           for (int k_step = 0; k_step < k_steps; ++k_step) {
             ptx::mbarrier_wait(&barriers.full[state.stage], state.phase);
@@ -488,7 +504,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
       if (warp >= 1 && warp <= Kernel::kUnitLoaderWarps) {
         PipelineState<kUnitStages> slot;
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
-          const auto info = describe_unit<Kernel>(params, unit);
+          const auto info = describe_unit<Kernel>(params, shared, unit);
           const int loader = static_cast<int>(threadIdx.x) - 32;
           const auto prepared = Kernel::prepare_unit(params, info, loader);
           ptx::mbarrier_wait(&barriers.unit_empty[slot.stage], slot.phase ^ 1);
@@ -506,7 +522,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
         int next_stage = 0;
         std::uint32_t phase = 0;
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
-          const auto info = describe_unit<Kernel>(params, unit);
+          const auto info = describe_unit<Kernel>(params, shared, unit);
           next_stage = (next_stage + Kernel::num_k_steps(params, info)) % kStages;
           const int held = Kernel::num_held_stages(params, info);
           if (held == 0) continue;
@@ -528,7 +544,7 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
     };
     PipelineState<kStages> state;
     for (int unit = first_unit; unit < num_units; unit += unit_step) {
-      const auto info = describe_unit<Kernel>(params, unit);
+      const auto info = describe_unit<Kernel>(params, shared, unit);
       const int k_steps = Kernel::num_k_steps(params, info);
       for (int k_step = 0; k_step < k_steps; ++k_step) {
         wait_released(state);
