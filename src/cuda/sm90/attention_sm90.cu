@@ -43,10 +43,12 @@
 //              producer fills it with TMA: boxes {64 d, 1 head, kBlockN
 //              keys(, 1 user)} through a 4-D map {D, H, S, U} (dense: keys
 //              past S arrive as zeros, the next user is never read) or a
-//              3-D map {D, H, rows} (jagged: keys past the user's end are
-//              the next user's rows, or zeros past the tensor; producer
-//              warp 3, the pipeline's fixer, clears those rows of a user's
-//              last V block before the consumers read it).
+//              3-D map {D, H, rows} (jagged: a user's last block ends at
+//              its last key, overlapping the block before, whose keys its
+//              softmax masks; a user with fewer than kBlockN keys has one
+//              block, whose rows past the user's end are the next user's,
+//              or zeros past the tensor: producer warp 3, the pipeline's
+//              fixer, clears those V rows before the consumers read them).
 //   Q ring     2 slots of one unit's 128 x D query tile, and beside the
 //              tiles each slot's row of q/out for every tile row (-1: past
 //              the user's rows) and the unit's description (every unit
@@ -465,7 +467,7 @@ struct AttentionSm90Kernel {
       kv_block = k_step == last ? info.blocks - 1 : value ? k_step / 2 - 1 : (k_step + 1) / 2;
     }
     const CUtensorMap* map = value ? &params.values : &params.keys;
-    const int first_key = kv_block * kBlockN;
+    const int first_key = block_first_key(params, info, kv_block);
 #pragma unroll
     for (int block = 0; block < kColumnBlocks; ++block) {
       if (params.kv_offsets != nullptr) {
@@ -563,8 +565,9 @@ struct AttentionSm90Kernel {
   // row_max), rounded, into p_fragments (the A operand of the next PV; the
   // previous one must have retired), keeps the scores, sets the factor by
   // which earlier results must be rescaled and returns whether any row of
-  // the warp has one other than 1. kMasked: keys >= valid_keys are excluded
-  // (P = 0). kFirst: the unit's first block (no running maximum yet).
+  // the warp has one other than 1. kMasked: only the valid_keys keys from
+  // first_valid on count (the others get P = 0). kFirst: the unit's first
+  // block (no running maximum yet).
   //
   // Lazy rescaling: a warp keeps its rows' running maxima while a block's P,
   // computed from them, sums to at most kRescaleLimit over each thread's
@@ -578,10 +581,12 @@ struct AttentionSm90Kernel {
   template <bool kMasked, bool kFirst>
   __device__ __forceinline__ static bool online_softmax(ConsumerRegisters& registers,
                                                         float (&correction)[2], float scale_log2,
-                                                        int valid_keys) {
-    const int column = 2 * (static_cast<int>(threadIdx.x) % 4);
+                                                        int first_valid, int valid_keys) {
+    // This thread's first column, relative to the first valid key.
+    const int column = 2 * (static_cast<int>(threadIdx.x) % 4) - first_valid;
     const auto valid = [&](int index) {
-      return !kMasked || column + 8 * (index / 4) + (index % 2) < valid_keys;
+      return !kMasked || static_cast<unsigned>(column + 8 * (index / 4) + (index % 2)) <
+                             static_cast<unsigned>(valid_keys);
     };
     float block_sum[2];
     // P and its sums from the maxima in row_max.
@@ -807,6 +812,9 @@ struct AttentionSm90Kernel {
                                                    AfterFirstIssue&& after_first_issue) {
     const int blocks = info.blocks;
     const int tail_keys = last_block_keys(info);
+    // The last block's new keys: its first tail_keys, or its last ones when
+    // it ends at the user's last key.
+    const int tail_first = end_aligned_last_block(params, info) ? kBlockN - tail_keys : 0;
     const float scale_log2 = params.scale_log2;
     const Descriptors descriptors(shared, slot, consumer);
     float correction[2];
@@ -814,9 +822,10 @@ struct AttentionSm90Kernel {
     const auto softmax = [&](auto first, int block) {
       constexpr bool kFirst = decltype(first)::value;
       if (block == blocks - 1 && tail_keys < kBlockN) {
-        return online_softmax<true, kFirst>(registers, correction, scale_log2, tail_keys);
+        return online_softmax<true, kFirst>(registers, correction, scale_log2, tail_first,
+                                            tail_keys);
       }
-      return online_softmax<false, kFirst>(registers, correction, scale_log2, kBlockN);
+      return online_softmax<false, kFirst>(registers, correction, scale_log2, 0, kBlockN);
     };
 
     // Block 0: S = Q K_0^T, softmax.
@@ -887,9 +896,25 @@ struct AttentionSm90Kernel {
     return info.kv_length - (info.blocks - 1) * kBlockN;  // 1 .. kBlockN
   }
 
+  // Jagged K/V of a user with at least kBlockN keys: the last block ends at
+  // the user's last key instead (it starts up to kBlockN - 1 keys early,
+  // over keys of the block before, which its softmax masks), so it reads
+  // none of the next user's rows and needs no fix-up. Only a user with
+  // fewer keys, a single block from its first key, has rows to clear.
+  __device__ static bool end_aligned_last_block(const Params& params, const UnitInfo& info) {
+    return params.kv_offsets != nullptr && info.kv_length >= kBlockN;
+  }
+
+  __device__ static int block_first_key(const Params& params, const UnitInfo& info, int block) {
+    if (block == info.blocks - 1 && end_aligned_last_block(params, info)) {
+      return info.kv_length - kBlockN;
+    }
+    return block * kBlockN;
+  }
+
   __device__ static bool fix_up_step(const Params& params, const UnitInfo& info, int k_step) {
-    return params.kv_offsets != nullptr && k_step == value_step(info.blocks - 1, info.blocks) &&
-           last_block_keys(info) < kBlockN;
+    return params.kv_offsets != nullptr && info.kv_length < kBlockN &&
+           k_step == value_step(info.blocks - 1, info.blocks);
   }
 
   __device__ static void fix_up(const Params&, const UnitInfo& info, int, Stage& stage,
