@@ -166,9 +166,10 @@ constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 constexpr int block_keys(std::int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
 
 // Jagged K/V with at most this many users is walked in length order (the
-// kLengthOrder kernels). The table takes 8 bytes per user of shared memory:
-// at D = 128, 96 users keep the kernel within the 196 KiB carve-out step
-// (more would halve L1), D = 64 has room for more, D = 256 for none.
+// kLengthOrder kernels). The table takes 8 bytes per user of shared memory
+// (and its ranking 128 threads' time, quadratic in the users): at D = 128,
+// 96 users keep the kernel within the 196 KiB shared-memory carve-out of
+// the other kernels; D = 64 has room for more, D = 256 for none.
 constexpr int length_order_users(std::int64_t head_dim) {
   return head_dim == 64 ? 256 : head_dim == 128 ? 96 : 0;
 }
