@@ -273,21 +273,17 @@ class AttentionSm90Test : public testing::Test {
 // and 2 that reaches into user 1's rows (or past the tensor) must mask them
 // out, so their outputs stay exact; only user 1's candidates are NaN.
 TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
-  for (const bool jagged : {false, true}) {
-    SCOPED_TRACE(jagged ? "jagged K/V" : "dense K/V");
+  // Dense; jagged users shorter than a K/V block (the fixer clears the
+  // poisoned rows their block reads); jagged users of more than a block
+  // (their last block ends at their last key and reads none of them).
+  const std::vector<std::vector<std::int64_t>> length_sets = {{}, {100, 50, 70}, {300, 50, 200}};
+  for (const auto& lengths : length_sets) {
+    const bool jagged = !lengths.empty();
+    SCOPED_TRACE(jagged ? "jagged K/V, first length " + std::to_string(lengths[0]) : "dense K/V");
     SeededRng rng;
     const DType dtype = DType::f16;
-    const AttentionCase test_case{"poisoned_user",
-                                      6,
-                                      3,
-                                      37,
-                                      2,
-                                      128,
-                                      100,
-                                      jagged ? std::vector<std::int64_t>{100, 50, 70}
-                                             : std::vector<std::int64_t>{},
-                                      MapOrder::unsorted,
-                                      std::nullopt};
+    const AttentionCase test_case{
+        "poisoned_user", 6, 3, 37, 2, 128, 100, lengths, MapOrder::unsorted, std::nullopt};
     AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
     const std::int64_t row_size = test_case.heads * test_case.head_dim;
     const auto first = static_cast<std::size_t>(inputs.kv_offsets[1] * row_size);
