@@ -274,7 +274,7 @@ struct AttentionSm90Kernel {
   static_assert(!kLengthOrder || kOrderedUsers > 0, "no room for the length order at this D");
   struct WalkOrder {
     std::int32_t user[kOrderedUsers];            // the user of rank r
-    std::int32_t first_slot[kOrderedUsers + 1];  // the first slot of rank r
+    std::int32_t first_slot[kOrderedUsers + 1];  // the walk's first slot of rank r
   };
   struct OrderedStorage : TileStorage {
     WalkOrder walk_order;
@@ -299,12 +299,14 @@ struct AttentionSm90Kernel {
   // CTAs' loads at the end; and every other full round of the grid runs
   // backwards (snake order), so a CTA that took one of a round's longer
   // units takes one of the next round's shorter ones. A user's slots stay
-  // together, so its heads and tiles still run side by side. Measured
-  // (bench/notes/attention_sm90.md, session 18): +1 to +3% at S = 512 ...
-  // 4096 with lengths uniform in [S/2, 3S/2]; modelled: more the more the
-  // lengths differ. The table: ranks by counting (thread t ranks users t,
-  // t + 128, ...; ties by index), then the slot counts in rank order and
-  // their prefix (warp 0).
+  // together, so its heads and tiles still run side by side; the empty
+  // slots (a user may own one slot more than its tiles) all come last,
+  // where they cost nothing. Measured (bench/notes/attention_sm90.md,
+  // session 18): +1 to +3% at S = 512 ... 4096 with lengths uniform in
+  // [S/2, 3S/2]; modelled: more the more the lengths differ. The table:
+  // ranks by counting (thread t ranks users t, t + 128, ...; ties by
+  // index), then the tile counts in rank order and their prefix (warp 0);
+  // a slot past the last tile describes an empty unit of the last rank.
   __device__ static void prepare_walk(const Params& params, SharedStorage& shared, int thread)
     requires kLengthOrder
   {
@@ -337,8 +339,9 @@ struct AttentionSm90Kernel {
       const int u = thread + i * kThreads;
       if (u >= users) break;
       order.user[ranks[i]] = u;
-      order.first_slot[ranks[i] + 1] =
-          static_cast<std::int32_t>(first_slot(params, u + 1) - first_slot(params, u));
+      const std::int64_t rows =
+          std::int64_t{params.user_offsets[u + 1] - params.user_offsets[u]} * params.n_seed;
+      order.first_slot[ranks[i] + 1] = static_cast<std::int32_t>((rows + kBlockM - 1) / kBlockM);
     }
     ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
     if (thread < 32) {
