@@ -314,7 +314,7 @@ struct AttentionSm90Kernel {
     const int users = params.num_users;
     constexpr int kThreads = kWarpgroupThreads;
     constexpr int kUsersPerThread = (kOrderedUsers + kThreads - 1) / kThreads;
-    // The ranking's keys, in first_slot[] until the slot counts replace them.
+    // The ranking's keys, in first_slot[] until the tile counts replace them.
     for (int u = thread; u < users; u += kThreads) {
       const bool has_rows = params.user_offsets[u + 1] > params.user_offsets[u];
       order.first_slot[u] = has_rows ? params.kv_offsets[u + 1] - params.kv_offsets[u] : -1;
