@@ -392,7 +392,7 @@ struct AttentionSm90Kernel {
     return describe_slot(params, unit % params.heads, user, slot - first_slot(params, user));
   }
 
-  // The last index i < n with first(i) <= slot (first strictly increases,
+  // The last index i < n with first(i) <= slot (first never decreases,
   // first(0) = 0 <= slot).
   template <class First>
   __device__ __forceinline__ static int last_at_most(int n, std::int64_t slot, First&& first) {
@@ -1040,7 +1040,9 @@ void for_each_schedule(Fn&& fn) {
         AttentionSm90Schedule::ping_pong_lookahead, AttentionSm90Schedule::cooperative_lookahead}) {
     with_schedule<Element, kHeadDim>(schedule, false, fn);
   }
-  with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead, true, fn);
+  if constexpr (length_order_users(kHeadDim) > 0) {
+    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead, true, fn);
+  }
 }
 
 template <typename Fn>

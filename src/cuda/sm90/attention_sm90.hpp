@@ -40,8 +40,8 @@ bool attention_sm90_eligible(const AttentionArgs& args);
 // (reference shape, fp16, S = 512 .. 8192): the look-ahead adds 2-4%, and
 // ping-pong brings nothing on top of the in-warpgroup overlap, so
 // cooperative_lookahead is the default. The default schedule alone walks
-// jagged K/V of few users (96 at D = 128, 256 at D = 64) longest user
-// first (see attention_sm90.cu); the others walk in the users' order.
+// jagged K/V of few users (length_order_users in attention_sm90.cu)
+// longest user first; the others walk in the users' order.
 enum class AttentionSm90Schedule {
   ping_pong,
   cooperative,
