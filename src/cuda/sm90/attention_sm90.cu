@@ -168,8 +168,8 @@ constexpr int block_keys(std::int64_t head_dim) { return head_dim == 256 ? 64 : 
 // Jagged K/V with at most this many users is walked in length order (the
 // kLengthOrder kernels). The table takes 8 bytes per user of shared memory
 // (and its ranking 128 threads' time, quadratic in the users): at D = 128,
-// 96 users keep the kernel within the 196 KiB shared-memory carve-out of
-// the other kernels; D = 64 has room for more, D = 256 for none.
+// 96 users fit beside five K/V stages and two Q slots within the 227 KiB
+// a block may have; D = 64 has room for more, D = 256 for none.
 constexpr int length_order_users(std::int64_t head_dim) {
   return head_dim == 64 ? 256 : head_dim == 128 ? 96 : 0;
 }
@@ -189,16 +189,18 @@ struct AttentionSm90Params {
 };
 
 // One unit, decoded by the producer and by the loaders
-// (AttentionSm90Kernel::describe), which pass it on to the consumers.
+// (AttentionSm90Kernel::describe), which pass it on to the consumers. All
+// int32, as query rows and K/V rows are (attention_sm90_supported): each Q
+// slot keeps a copy beside five K/V stages at D = 128, with bytes to spare.
 struct AttentionUnit {
   int head = 0;
   int user = 0;
-  int rows = 0;                  // query rows of the tile, 0 .. kBlockM (0: an empty unit)
-  int blocks = 0;                // K/V blocks to walk (0 when rows == 0 or the user has no keys)
-  int kv_length = 0;             // the user's keys
-  std::int64_t group_begin = 0;  // first entry of the user's group in candidates_by_user
-  std::int64_t first_row = 0;    // first of the tile's rows among the user's query rows
-  std::int64_t kv_row = 0;       // jagged: the user's first K/V row
+  int rows = 0;         // query rows of the tile, 0 .. kBlockM (0: an empty unit)
+  int blocks = 0;       // K/V blocks to walk (0 when rows == 0 or the user has no keys)
+  int kv_length = 0;    // the user's keys
+  int group_begin = 0;  // first entry of the user's group in candidates_by_user
+  int first_row = 0;    // first of the tile's rows among the user's query rows
+  int kv_row = 0;       // jagged: the user's first K/V row
 };
 
 // threadIdx.x, read where it is used: a volatile read cannot be hoisted out
@@ -230,8 +232,12 @@ struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
   static constexpr int kBlockN = block_keys(kHeadDim);
-  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256).
-  static constexpr int kStages = kHeadDim == 64 ? 8 : kHeadDim == 128 ? 4 : 3;
+  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256). At D = 128 the
+  // fifth stage lets the loads of the next unit's first blocks start while
+  // the last blocks of this one are in use (H200, same call: +1.5-1.9% at
+  // S = 512 and 1024, level at 2048 and 4096; bench/notes/attention_sm90.md,
+  // session 19).
+  static constexpr int kStages = kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
   static constexpr int kUnitStages = 2;
   static constexpr int kUnitLoaderWarps = 2;
   static constexpr bool kOwnsConsumerLoop = true;
@@ -414,10 +420,10 @@ struct AttentionSm90Kernel {
     UnitInfo info;
     info.head = head;
     info.user = user;
-    info.first_row = tile * kBlockM;
+    info.first_row = static_cast<int>(tile * kBlockM);
     info.group_begin = params.user_offsets[user];
     const std::int64_t user_rows =
-        (params.user_offsets[user + 1] - info.group_begin) * params.n_seed;
+        std::int64_t{params.user_offsets[user + 1] - info.group_begin} * params.n_seed;
     info.rows = static_cast<int>(
         std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kBlockM));
     if (params.kv_offsets != nullptr) {
@@ -499,7 +505,7 @@ struct AttentionSm90Kernel {
     const int first = loader / 32 * kWarpgroupRows + loader % 32;
     const auto row_head = [&](int row) -> std::int32_t {
       if (row >= info.rows) return -1;
-      const std::int64_t user_row = info.first_row + row;
+      const std::int64_t user_row = std::int64_t{info.first_row} + row;
       const std::int64_t candidate =
           params.candidates_by_user[info.group_begin + user_row / params.n_seed];
       return static_cast<std::int32_t>(

@@ -197,6 +197,12 @@ template <class Kernel>
 inline constexpr std::size_t kDynamicSharedBytes =
     sizeof(typename Kernel::SharedStorage) + kSharedAlignment;
 
+// The shared memory a block may opt in to on sm_90 (227 KiB). A kernel
+// above it would not fail: the host would find it unlaunchable at run time
+// and take the portable path (device_support.cuh), so pipeline_kernel
+// checks it when it is compiled.
+inline constexpr std::size_t kMaxSharedBytesPerBlock = 232448;
+
 template <int kStages, int kUnitStages = 0>
 struct PipelineBarriers {
   std::uint64_t full[kStages];
@@ -655,6 +661,9 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
 template <class Kernel>
 __global__ void __launch_bounds__(kPipelineThreads<Kernel>, 1)
     pipeline_kernel(const __grid_constant__ typename Kernel::Params params) {
+  static_assert(kDynamicSharedBytes<Kernel> + sizeof(KernelBarriers<Kernel>) <=
+                    kMaxSharedBytesPerBlock,
+                "the kernel's shared memory exceeds what an sm_90 block may have");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ KernelBarriers<Kernel> barriers;
   extern __shared__ unsigned char dynamic_shared[];
