@@ -232,11 +232,10 @@ struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
   static constexpr int kBlockN = block_keys(kHeadDim);
-  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256). At D = 128 the
-  // fifth stage lets the loads of the next unit's first blocks start while
-  // the last blocks of this one are in use (H200, same call: +1.5-1.9% at
-  // S = 512 and 1024, level at 2048 and 4096; bench/notes/attention_sm90.md,
-  // session 19).
+  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256). At D = 128 a
+  // fifth stage lets the next unit's V_0 load while this unit's last blocks
+  // are in use (H100, same call: +1.2-1.4% at S = 512 and 1024, level at
+  // 2048, -0.5% at 4096; bench/notes/attention_sm90.md, session 19).
   static constexpr int kStages = kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
   static constexpr int kUnitStages = 2;
   static constexpr int kUnitLoaderWarps = 2;
