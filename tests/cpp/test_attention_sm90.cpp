@@ -1,19 +1,19 @@
 // The Hopper attention path (src/cuda/sm90/attention_sm90.cu) on CUDA device 0,
 // against the fp64 reference and the portable kernel (the same call with the
 // Hopper path switched off): n_seed in {1, 37, 64, 100}, D in {64, 128, 256},
-// H in {1, 2, 6}, dense S in {1, 127, 130, 500, 2048} and jagged lengths
-// including 0, 1, 127, 129 and 2048; balanced, uneven (users without
-// candidates) and unsorted maps with odd counts; positive, negative and zero
-// scales (the zero scale with a masked tail block); f16 and bf16; enough
-// units that every CTA of the persistent grid takes several and both rings
-// wrap. Each case checks: the fp64 reference within the dtype's tolerance
-// and, for f16, a max abs error <= 2e-3; an error not above the portable
-// kernel's (+ a rounding margin); exact zeros for users without history;
-// bitwise-identical repeated runs and bitwise-identical results of the four
-// schedules (ping-pong, cooperative, each with and without the look-ahead
-// epilogue); outputs poisoned (NaN) before every run. A second
-// test puts +Inf into one user's K and V and checks that the
-// neighbouring users' outputs stay exact.
+// H in {1, 2, 6}, dense S in {1, 127, 130, 192, 256, 500, 2048} (whole K/V
+// blocks or a masked last one) and jagged lengths including 0, 1, 127, 129
+// and 2048; balanced, uneven (users without candidates) and unsorted maps
+// with odd counts; positive, negative and zero scales (the zero scale with
+// a masked tail block); f16 and bf16; enough units that every CTA of the
+// persistent grid takes several and both rings wrap. Each case checks: the
+// fp64 reference within the dtype's tolerance and, for f16, a max abs error
+// <= 2e-3; an error not above the portable kernel's (+ a rounding margin);
+// exact zeros for users without history; bitwise-identical repeated runs
+// and bitwise-identical results of the four schedules (ping-pong,
+// cooperative, each with and without the look-ahead epilogue); outputs
+// poisoned (NaN) before every run. A second test puts +Inf into one user's
+// K and V and checks that the neighbouring users' outputs stay exact.
 // AttentionSm90PublishedGrid runs the published grid at its real sizes (B in
 // {512, 1024, 2048}, H in {1, 2, 4, 6}, S in {500, 512, 1000, 1024, 2000,
 // 2048}, ratio in {10, 70}; n_seed = 64, D = 128, f16, dense K/V, sorted
@@ -129,6 +129,13 @@ const std::vector<AttentionCase>& sm90_cases() {
        std::nullopt},
       {"seed64_d64_h2_s500", 7, 3, 64, 2, 64, 500, {}, MapOrder::unsorted, std::nullopt},
       {"seed100_d128_h1_s2048", 6, 2, 100, 1, 128, 2048, {}, MapOrder::unsorted, std::nullopt},
+      // Dense K/V in whole blocks (S a multiple of 128, of 64 at D = 256):
+      // the default schedule runs the kWholeBlocks kernels, the others the
+      // general one (the test compares the schedules bitwise).
+      {"whole_blocks_seed37_d64_h2_s256", 9, 4, 37, 2, 64, 256, {}, MapOrder::uneven_unsorted,
+       std::nullopt},
+      {"whole_blocks_seed37_d256_h2_s192", 9, 4, 37, 2, 256, 192, {}, MapOrder::uneven_unsorted,
+       std::nullopt},
       {"seed64_d128_h2_s500_odd_counts_sorted", 7, 2, 64, 2, 128, 500, {}, MapOrder::sorted,
        std::nullopt},
       {"seed37_d64_h1_s127_negative_scale", 6, 2, 37, 1, 64, 127, {}, MapOrder::unsorted, -0.2f},

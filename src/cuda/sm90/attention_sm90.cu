@@ -25,7 +25,9 @@
 // Jagged K/V of few users (length_order_users) is walked instead in
 // decreasing order of the users' lengths and in snake rounds, through a
 // table the producer warpgroup builds in shared memory at the start
-// (kLengthOrder, prepare_walk), so that the CTAs' loads even out.
+// (kLengthOrder, prepare_walk), so that the CTAs' loads even out. Dense
+// K/V whose length is a multiple of the K/V block runs a kernel without
+// the masked last block and the fixer (kWholeBlocks).
 // Consecutive units are the heads and tiles of one user: the persistent
 // grid (CTA c takes units c, c + grid, ...) runs a user's units side by
 // side, and its K/V comes from DRAM once and from L2 after.
@@ -226,8 +228,12 @@ __device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
   return static_cast<std::uint32_t>((slice / 4) * (kRows * kSwizzleRowBytes) + (slice % 4) * 32);
 }
 
+// kWholeBlocks: every user's keys fill whole K/V blocks (dense K/V, S a
+// multiple of kBlockN), so no key is masked and no V row cleared; the kernel
+// then has no masked softmax and no fixer warp (their code alone, unused,
+// cost the dense kernel 0.3-1.2%; bench/notes/attention_sm90.md, session 19).
 template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
-          bool kLengthOrder = false>
+          bool kLengthOrder = false, bool kWholeBlocks = false>
 struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
@@ -240,7 +246,8 @@ struct AttentionSm90Kernel {
   static constexpr int kUnitStages = 2;
   static constexpr int kUnitLoaderWarps = 2;
   static constexpr bool kOwnsConsumerLoop = true;
-  static constexpr bool kFixUpWarp = true;
+  static constexpr bool kFixUpWarp = !kWholeBlocks;
+  static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
@@ -830,9 +837,11 @@ struct AttentionSm90Kernel {
     // Returns whether O must be rescaled by `correction`.
     const auto softmax = [&](auto first, int block) {
       constexpr bool kFirst = decltype(first)::value;
-      if (block == blocks - 1 && tail_keys < kBlockN) {
-        return online_softmax<true, kFirst>(registers, correction, scale_log2, tail_first,
-                                            tail_keys);
+      if constexpr (!kWholeBlocks) {
+        if (block == blocks - 1 && tail_keys < kBlockN) {
+          return online_softmax<true, kFirst>(registers, correction, scale_log2, tail_first,
+                                              tail_keys);
+        }
       }
       return online_softmax<false, kFirst>(registers, correction, scale_log2, 0, kBlockN);
     };
@@ -882,7 +891,9 @@ struct AttentionSm90Kernel {
     // O += P_{n-1} V_{n-1}.
     const int last_step = value_step(blocks - 1, blocks);
     const int v_stage = steps.wait(last_step);
-    if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
+    if constexpr (kFixUpWarp) {
+      if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
+    }
     turn_begin(consumer);
     ptx::fence_operands(registers.out_acc);
     ptx::wgmma_fence();
@@ -1011,13 +1022,20 @@ struct DeviceSupport {
   int multiprocessors = 0;
 };
 
+// The default schedule's kernels for the keys of a call (with_schedule).
+enum class KeyWalk {
+  any,             // masked last blocks where a user's keys end inside one
+  whole_blocks,    // dense K/V whose length is a multiple of the block: kWholeBlocks
+  length_ordered,  // jagged K/V of few users: kLengthOrder
+};
+
 // Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
 // *_lookahead schedule runs without the look-ahead, see the header comment).
-// length_order picks the kLengthOrder kernel of the default schedule where
-// D has room for its table; the other schedules, kept for comparison, walk
-// in the users' order.
+// For the default schedule, `keys` picks the kWholeBlocks or the
+// kLengthOrder kernel (where D has room for its table); the other
+// schedules, kept for comparison, take every call with the general kernel.
 template <typename Element, int kHeadDim, typename Fn>
-void with_schedule(AttentionSm90Schedule schedule, bool length_order, Fn&& fn) {
+void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
   constexpr bool kLookahead = kHeadDim <= 128;
   switch (schedule) {
     case AttentionSm90Schedule::ping_pong:
@@ -1028,9 +1046,12 @@ void with_schedule(AttentionSm90Schedule schedule, bool length_order, Fn&& fn) {
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
       if constexpr (length_order_users(kHeadDim) > 0) {
-        if (length_order) {
+        if (keys == KeyWalk::length_ordered) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, true>{});
         }
+      }
+      if (keys == KeyWalk::whole_blocks) {
+        return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, false, true>{});
       }
       return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead>{});
   }
@@ -1043,10 +1064,13 @@ void for_each_schedule(Fn&& fn) {
   for (const AttentionSm90Schedule schedule :
        {AttentionSm90Schedule::ping_pong, AttentionSm90Schedule::cooperative,
         AttentionSm90Schedule::ping_pong_lookahead, AttentionSm90Schedule::cooperative_lookahead}) {
-    with_schedule<Element, kHeadDim>(schedule, false, fn);
+    with_schedule<Element, kHeadDim>(schedule, KeyWalk::any, fn);
   }
+  with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
+                                   KeyWalk::whole_blocks, fn);
   if constexpr (length_order_users(kHeadDim) > 0) {
-    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead, true, fn);
+    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
+                                     KeyWalk::length_ordered, fn);
   }
 }
 
@@ -1140,8 +1164,8 @@ void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t
 
 template <typename Element, int kHeadDim>
 void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
-                     bool length_order, int multiprocessors, cudaStream_t stream) {
-  with_schedule<Element, kHeadDim>(schedule, length_order, [&](auto kernel_traits) {
+                     KeyWalk keys, int multiprocessors, cudaStream_t stream) {
+  with_schedule<Element, kHeadDim>(schedule, keys, [&](auto kernel_traits) {
     launch<decltype(kernel_traits)>(params, multiprocessors, stream);
   });
 }
@@ -1166,11 +1190,15 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  const bool length_order =
-      args.kv_offsets != nullptr && args.num_users <= length_order_users(args.head_dim);
+  KeyWalk keys = KeyWalk::any;
+  if (args.kv_offsets == nullptr) {
+    if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
+  } else if (args.num_users <= length_order_users(args.head_dim)) {
+    keys = KeyWalk::length_ordered;
+  }
   with_head_dim(args, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    launch_schedule<Element, kHeadDim>(params, schedule, length_order, multiprocessors, stream);
+    launch_schedule<Element, kHeadDim>(params, schedule, keys, multiprocessors, stream);
   });
 }
 
