@@ -129,13 +129,14 @@ const std::vector<AttentionCase>& sm90_cases() {
        std::nullopt},
       {"seed64_d64_h2_s500", 7, 3, 64, 2, 64, 500, {}, MapOrder::unsorted, std::nullopt},
       {"seed100_d128_h1_s2048", 6, 2, 100, 1, 128, 2048, {}, MapOrder::unsorted, std::nullopt},
-      // Dense K/V in whole blocks (S a multiple of 128, of 64 at D = 256):
-      // the default schedule runs the kWholeBlocks kernels, the others the
-      // general one (the test compares the schedules bitwise).
-      {"whole_blocks_seed37_d64_h2_s256", 9, 4, 37, 2, 64, 256, {}, MapOrder::uneven_unsorted,
+      // Dense K/V in whole blocks: at D = 128 the default schedule runs the
+      // kWholeBlocks kernel, the others the general one (the test compares
+      // the schedules bitwise); D = 256 (blocks of 64 keys) has the general
+      // kernel only, whose last block is then full.
+      {"whole_blocks_seed37_d128_h2_s256", 9, 4, 37, 2, 128, 256, {}, MapOrder::uneven_unsorted,
        std::nullopt},
-      {"whole_blocks_seed37_d256_h2_s192", 9, 4, 37, 2, 256, 192, {}, MapOrder::uneven_unsorted,
-       std::nullopt},
+      {"seed37_d256_h2_s192_full_last_block", 9, 4, 37, 2, 256, 192, {},
+       MapOrder::uneven_unsorted, std::nullopt},
       {"seed64_d128_h2_s500_odd_counts_sorted", 7, 2, 64, 2, 128, 500, {}, MapOrder::sorted,
        std::nullopt},
       {"seed37_d64_h1_s127_negative_scale", 6, 2, 37, 1, 64, 127, {}, MapOrder::unsorted, -0.2f},

@@ -25,9 +25,9 @@
 // Jagged K/V of few users (length_order_users) is walked instead in
 // decreasing order of the users' lengths and in snake rounds, through a
 // table the producer warpgroup builds in shared memory at the start
-// (kLengthOrder, prepare_walk), so that the CTAs' loads even out. Dense
-// K/V whose length is a multiple of the K/V block runs a kernel without
-// the masked last block and the fixer (kWholeBlocks).
+// (kLengthOrder, prepare_walk), so that the CTAs' loads even out. At
+// D = 128, dense K/V whose length is a multiple of the K/V block runs a
+// kernel without the masked last block and the fixer (kWholeBlocks).
 // Consecutive units are the heads and tiles of one user: the persistent
 // grid (CTA c takes units c, c + grid, ...) runs a user's units side by
 // side, and its K/V comes from DRAM once and from L2 after.
@@ -228,10 +228,20 @@ __device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
   return static_cast<std::uint32_t>((slice / 4) * (kRows * kSwizzleRowBytes) + (slice % 4) * 32);
 }
 
-// kWholeBlocks: every user's keys fill whole K/V blocks (dense K/V, S a
-// multiple of kBlockN), so no key is masked and no V row cleared; the kernel
-// then has no masked softmax and no fixer warp (their code alone, unused,
-// cost the dense kernel 0.3-1.2%; bench/notes/attention_sm90.md, session 19).
+// Two layouts of the block loop, measured at D = 128 only (session 19;
+// D = 64 and 256 keep the loop they were measured with until they are):
+// kWholeBlocks kernels, for dense K/V whose length is a multiple of
+// kBlockN, have no masked softmax and no fixer warp (their code alone,
+// unused, cost the dense kernel 0.3-1.2%); the other kernels run the last
+// block after the loop, with the masked softmax, so that the loop holds the
+// unmasked one alone.
+constexpr bool whole_block_kernels(int head_dim) { return head_dim == 128; }
+constexpr bool masked_block_after_loop(int head_dim) { return head_dim == 128; }
+
+// The last block's softmax in the loop, masked where the user's keys end
+// inside it (the loop of D = 64 and 256).
+struct MaskWhereKeysEnd {};
+
 template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
           bool kLengthOrder = false, bool kWholeBlocks = false>
 struct AttentionSm90Kernel {
@@ -248,6 +258,7 @@ struct AttentionSm90Kernel {
   static constexpr bool kOwnsConsumerLoop = true;
   static constexpr bool kFixUpWarp = !kWholeBlocks;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
+  static_assert(!kWholeBlocks || whole_block_kernels(kHeadDim));
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
@@ -883,22 +894,34 @@ struct AttentionSm90Kernel {
       fence_pv_operands(registers);
       steps.release(k_stage);
       steps.release(v_stage);
-      constexpr bool kMasked = decltype(masked)::value;
-      if (online_softmax<kMasked, false>(registers, correction, scale_log2,
-                                         kMasked ? tail_first : 0, kMasked ? tail_keys : kBlockN)) {
+      const auto softmax = [&](auto masked_softmax) {
+        constexpr bool kMasked = decltype(masked_softmax)::value;
+        return online_softmax<kMasked, false>(registers, correction, scale_log2,
+                                              kMasked ? tail_first : 0,
+                                              kMasked ? tail_keys : kBlockN);
+      };
+      bool rescale;
+      if constexpr (std::is_same_v<decltype(masked), MaskWhereKeysEnd>) {
+        rescale = block == blocks - 1 && tail_keys < kBlockN ? softmax(std::true_type{})
+                                                              : softmax(std::false_type{});
+      } else {
+        rescale = softmax(masked);
+      }
+      if (rescale) {
 #pragma unroll
         for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
       }
     };
-    // The block loop holds the unmasked softmax alone: the last block, whose
-    // keys may end inside it, runs after it with the masked one (a full
-    // last block is masked through a window of all its keys). Outside the
-    // loop, the masked code costs the loop nothing (session 19: present in
-    // the loop and never taken, it cost dense K/V 0.3-1.2%).
-    const int unmasked_blocks = kWholeBlocks ? blocks : blocks - 1;
-    for (int block = 1; block < unmasked_blocks; ++block) next_block(block, std::false_type{});
-    if constexpr (!kWholeBlocks) {
+    if constexpr (kWholeBlocks) {
+      for (int block = 1; block < blocks; ++block) next_block(block, std::false_type{});
+    } else if constexpr (masked_block_after_loop(kHeadDim)) {
+      // The last block, whose keys may end inside it, runs after the loop
+      // with the masked softmax (a full last block through a window of all
+      // its keys).
+      for (int block = 1; block < blocks - 1; ++block) next_block(block, std::false_type{});
       if (blocks > 1) next_block(blocks - 1, std::true_type{});
+    } else {
+      for (int block = 1; block < blocks; ++block) next_block(block, MaskWhereKeysEnd{});
     }
     // O += P_{n-1} V_{n-1}.
     const int last_step = value_step(blocks - 1, blocks);
@@ -1062,8 +1085,10 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, true>{});
         }
       }
-      if (keys == KeyWalk::whole_blocks) {
-        return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, false, true>{});
+      if constexpr (whole_block_kernels(kHeadDim)) {
+        if (keys == KeyWalk::whole_blocks) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, false, true>{});
+        }
       }
       return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead>{});
   }
@@ -1078,8 +1103,10 @@ void for_each_schedule(Fn&& fn) {
         AttentionSm90Schedule::ping_pong_lookahead, AttentionSm90Schedule::cooperative_lookahead}) {
     with_schedule<Element, kHeadDim>(schedule, KeyWalk::any, fn);
   }
-  with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
-                                   KeyWalk::whole_blocks, fn);
+  if constexpr (whole_block_kernels(kHeadDim)) {
+    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
+                                     KeyWalk::whole_blocks, fn);
+  }
   if constexpr (length_order_users(kHeadDim) > 0) {
     with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
                                      KeyWalk::length_ordered, fn);
@@ -1204,7 +1231,10 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   const cudaStream_t stream = to_cuda_stream(args.stream);
   KeyWalk keys = KeyWalk::any;
   if (args.kv_offsets == nullptr) {
-    if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
+    if (whole_block_kernels(static_cast<int>(args.head_dim)) &&
+        args.dense_seq_len % block_keys(args.head_dim) == 0) {
+      keys = KeyWalk::whole_blocks;
+    }
   } else if (args.num_users <= length_order_users(args.head_dim)) {
     keys = KeyWalk::length_ordered;
   }

@@ -40,10 +40,10 @@ bool attention_sm90_eligible(const AttentionArgs& args);
 // (reference shape, fp16, S = 512 .. 8192): the look-ahead adds 2-4%, and
 // ping-pong brings nothing on top of the in-warpgroup overlap, so
 // cooperative_lookahead is the default. The default schedule alone has
-// kernels of its own for dense K/V in whole blocks (no masked last block)
-// and for jagged K/V of few users (length_order_users in attention_sm90.cu,
-// walked longest user first); the others take every call with the general
-// kernel and walk in the users' order.
+// kernels of its own for dense K/V in whole blocks at D = 128 (no masked
+// last block) and for jagged K/V of few users (length_order_users in
+// attention_sm90.cu, walked longest user first); the others take every
+// call with the general kernel and walk in the users' order.
 enum class AttentionSm90Schedule {
   ping_pong,
   cooperative,
