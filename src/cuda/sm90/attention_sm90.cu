@@ -845,8 +845,8 @@ struct AttentionSm90Kernel {
     const float scale_log2 = params.scale_log2;
     const Descriptors descriptors(shared, slot, consumer);
     float correction[2];
-    // Block 0's softmax; the last block's new keys are masked when they
-    // do not fill it.
+    // Block 0's softmax, masked when block 0 is also the last and the
+    // user's keys end inside it.
     const auto first_softmax = [&] {
       if constexpr (!kWholeBlocks) {
         if (blocks == 1 && tail_keys < kBlockN) {
