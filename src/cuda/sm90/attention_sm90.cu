@@ -228,15 +228,14 @@ __device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
   return static_cast<std::uint32_t>((slice / 4) * (kRows * kSwizzleRowBytes) + (slice % 4) * 32);
 }
 
-// Two layouts of the block loop, measured at D = 128 only (session 19;
-// D = 64 and 256 keep the loop they were measured with until they are):
-// kWholeBlocks kernels, for dense K/V whose length is a multiple of
-// kBlockN, have no masked softmax and no fixer warp (their code alone,
-// unused, cost the dense kernel 0.3-1.2%); the other kernels run the last
-// block after the loop, with the masked softmax, so that the loop holds the
-// unmasked one alone.
-constexpr bool whole_block_kernels(int head_dim) { return head_dim == 128; }
-constexpr bool masked_block_after_loop(int head_dim) { return head_dim == 128; }
+// Where the masked softmax of a unit's last block stays out of the block
+// loop (its code alone, present in the loop and never taken, cost the dense
+// kernel 0.3-1.2%): kWholeBlocks kernels, for dense K/V whose length is a
+// multiple of kBlockN, have no masked softmax and no fixer warp, and the
+// other kernels run the last block after the loop. Measured at D = 128 only
+// (session 19); D = 64 and 256 keep the loop they were measured with until
+// they are.
+constexpr bool tail_out_of_loop(std::int64_t head_dim) { return head_dim == 128; }
 
 // The last block's softmax in the loop, masked where the user's keys end
 // inside it (the loop of D = 64 and 256).
@@ -258,7 +257,7 @@ struct AttentionSm90Kernel {
   static constexpr bool kOwnsConsumerLoop = true;
   static constexpr bool kFixUpWarp = !kWholeBlocks;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
-  static_assert(!kWholeBlocks || whole_block_kernels(kHeadDim));
+  static_assert(!kWholeBlocks || tail_out_of_loop(kHeadDim));
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
@@ -914,7 +913,7 @@ struct AttentionSm90Kernel {
     };
     if constexpr (kWholeBlocks) {
       for (int block = 1; block < blocks; ++block) next_block(block, std::false_type{});
-    } else if constexpr (masked_block_after_loop(kHeadDim)) {
+    } else if constexpr (tail_out_of_loop(kHeadDim)) {
       // The last block, whose keys may end inside it, runs after the loop
       // with the masked softmax (a full last block through a window of all
       // its keys).
@@ -1060,15 +1059,16 @@ struct DeviceSupport {
 // The default schedule's kernels for the keys of a call (with_schedule).
 enum class KeyWalk {
   any,             // masked last blocks where a user's keys end inside one
-  whole_blocks,    // dense K/V whose length is a multiple of the block: kWholeBlocks
+  whole_blocks,    // dense K/V in whole blocks: kWholeBlocks, where D has it
   length_ordered,  // jagged K/V of few users: kLengthOrder
 };
 
 // Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
 // *_lookahead schedule runs without the look-ahead, see the header comment).
-// For the default schedule, `keys` picks the kWholeBlocks or the
-// kLengthOrder kernel (where D has room for its table); the other
-// schedules, kept for comparison, take every call with the general kernel.
+// For the default schedule, `keys` picks the kWholeBlocks kernel (where D
+// has one) or the kLengthOrder kernel (where D has room for its table); the
+// other schedules, kept for comparison, take every call with the general
+// kernel.
 template <typename Element, int kHeadDim, typename Fn>
 void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
   constexpr bool kLookahead = kHeadDim <= 128;
@@ -1085,7 +1085,7 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, true>{});
         }
       }
-      if constexpr (whole_block_kernels(kHeadDim)) {
+      if constexpr (tail_out_of_loop(kHeadDim)) {
         if (keys == KeyWalk::whole_blocks) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, false, true>{});
         }
@@ -1103,7 +1103,7 @@ void for_each_schedule(Fn&& fn) {
         AttentionSm90Schedule::ping_pong_lookahead, AttentionSm90Schedule::cooperative_lookahead}) {
     with_schedule<Element, kHeadDim>(schedule, KeyWalk::any, fn);
   }
-  if constexpr (whole_block_kernels(kHeadDim)) {
+  if constexpr (tail_out_of_loop(kHeadDim)) {
     with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
                                      KeyWalk::whole_blocks, fn);
   }
@@ -1231,10 +1231,7 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   const cudaStream_t stream = to_cuda_stream(args.stream);
   KeyWalk keys = KeyWalk::any;
   if (args.kv_offsets == nullptr) {
-    if (whole_block_kernels(static_cast<int>(args.head_dim)) &&
-        args.dense_seq_len % block_keys(args.head_dim) == 0) {
-      keys = KeyWalk::whole_blocks;
-    }
+    if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
   } else if (args.num_users <= length_order_users(args.head_dim)) {
     keys = KeyWalk::length_ordered;
   }
