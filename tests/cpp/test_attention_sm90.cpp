@@ -139,6 +139,10 @@ const std::vector<AttentionCase>& sm90_cases() {
        MapOrder::uneven_unsorted, std::nullopt},
       {"seed64_d128_h2_s500_odd_counts_sorted", 7, 2, 64, 2, 128, 500, {}, MapOrder::sorted,
        std::nullopt},
+      // D = 128: a last block whose keys fit in its first half runs as a
+      // half-width block (64 keys here, the largest such tail).
+      {"seed37_d128_h2_s320_half_last_block", 9, 4, 37, 2, 128, 320, {},
+       MapOrder::uneven_unsorted, std::nullopt},
       {"seed37_d64_h1_s127_negative_scale", 6, 2, 37, 1, 64, 127, {}, MapOrder::unsorted, -0.2f},
       {"seed1_d128_h2_s127_zero_scale", 4, 2, 1, 2, 128, 127, {}, MapOrder::unsorted, 0.0f},
       {"jagged_seed37_d64_h2", 11, 5, 37, 2, 64, 0, {300, 0, 127, 1, 640},

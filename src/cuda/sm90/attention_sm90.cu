@@ -232,9 +232,9 @@ __device__ __forceinline__ std::uint32_t k_slice_offset(int slice) {
 // loop (its code alone, present in the loop and never taken, cost the dense
 // kernel 0.3-1.2%): kWholeBlocks kernels, for dense K/V whose length is a
 // multiple of kBlockN, have no masked softmax and no fixer warp, and the
-// other kernels run the last block after the loop. Measured at D = 128 only
-// (session 19); D = 64 and 256 keep the loop they were measured with until
-// they are.
+// other kernels run the last block after the loop. D = 128 only: at D = 256
+// both layouts ran 7-10% slower and at D = 64 within +-2% (H100, session 20),
+// so D = 64 and 256 keep the masked softmax in the loop.
 constexpr bool tail_out_of_loop(std::int64_t head_dim) { return head_dim == 128; }
 
 // The last block's softmax in the loop, masked where the user's keys end
@@ -593,7 +593,9 @@ struct AttentionSm90Kernel {
   // which earlier results must be rescaled and returns whether any row of
   // the warp has one other than 1. kMasked: only the valid_keys keys from
   // first_valid on count (the others get P = 0). kFirst: the unit's first
-  // block (no running maximum yet).
+  // block (no running maximum yet). kColumns: the scores of a block kColumns
+  // keys wide (a half-width last block fills the first kColumns / 16
+  // slices of P).
   //
   // Lazy rescaling: a warp keeps its rows' running maxima while a block's P,
   // computed from them, sums to at most kRescaleLimit over each thread's
@@ -604,7 +606,7 @@ struct AttentionSm90Kernel {
   // other pass over the scores is on the softmax's critical path; a block
   // that fails it (and the first, whose correction exp2(-inf) is 0)
   // computes the maxima and its P again.
-  template <bool kMasked, bool kFirst>
+  template <bool kMasked, bool kFirst, int kColumns = kBlockN>
   __device__ __forceinline__ static bool online_softmax(ConsumerRegisters& registers,
                                                         float (&correction)[2], float scale_log2,
                                                         int first_valid, int valid_keys) {
@@ -619,7 +621,7 @@ struct AttentionSm90Kernel {
     const auto exponentiate = [&] {
       block_sum[0] = block_sum[1] = 0.0f;
 #pragma unroll
-      for (int slice = 0; slice < kPvSlices; ++slice) {
+      for (int slice = 0; slice < kColumns / kWgmmaK; ++slice) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int half = i % 2, index = 8 * slice + 2 * i;
@@ -657,7 +659,7 @@ struct AttentionSm90Kernel {
 #pragma unroll
       for (int chain = 0; chain < 4; ++chain) chains[0][chain] = chains[1][chain] = start;
 #pragma unroll
-      for (int i = 0; i < kScoreRegisters; ++i) {
+      for (int i = 0; i < kColumns / 2; ++i) {
         float& chain = chains[(i / 2) % 2][(i / 4) % 4];
         if (valid(i)) chain = pick(chain, registers.scores[i]);
       }
@@ -710,16 +712,21 @@ struct AttentionSm90Kernel {
   };
 
   // S = Q K^T for this warpgroup's 64 rows and the K block of `k_stage`,
-  // committed as one group. Q and K are K-major.
+  // committed as one group. Q and K are K-major. kColumns < kBlockN: the
+  // keys first_key .. first_key + kColumns - 1 of the block only (a
+  // multiple of the 8-row swizzle atom), into the first scores.
+  template <int kColumns = kBlockN>
   __device__ __forceinline__ static void issue_scores(ConsumerRegisters& registers,
-                                                      const Descriptors& descriptors,
-                                                      int k_stage) {
+                                                      const Descriptors& descriptors, int k_stage,
+                                                      int first_key = 0) {
     const std::uint64_t q_descriptor = descriptors.q;
-    const std::uint64_t k_descriptor = descriptors.k_at(k_stage);
+    const std::uint64_t k_descriptor = ptx::advance_descriptor(
+        descriptors.k_at(k_stage), static_cast<std::uint32_t>(first_key * kSwizzleRowBytes));
+    auto& scores = *reinterpret_cast<float(*)[kColumns / 2]>(registers.scores);
 #pragma unroll
     for (int slice = 0; slice < kQkSlices; ++slice) {
-      ptx::wgmma_ss<Element, 0, 0, kBlockN>(
-          registers.scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
+      ptx::wgmma_ss<Element, 0, 0, kColumns>(
+          scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
           ptx::advance_descriptor(k_descriptor, k_slice_offset<kBlockN>(slice)), slice > 0);
     }
     ptx::wgmma_commit_group();
@@ -727,15 +734,19 @@ struct AttentionSm90Kernel {
 
   // O += P V for the V block of `v_stage`, committed as one group: per
   // k16 slice, one product per kPvColumns columns of O (their registers
-  // follow each other in out_acc, their V column blocks too).
+  // follow each other in out_acc, their V column blocks too). kColumns <
+  // kBlockN: P's first kColumns / 16 slices against the block's keys
+  // first_key .. first_key + kColumns - 1.
+  template <int kColumns = kBlockN>
   __device__ __forceinline__ static void issue_pv(ConsumerRegisters& registers,
                                                   const Descriptors& descriptors, int v_stage,
-                                                  bool accumulate) {
-    const std::uint64_t v_descriptor = descriptors.v_at(v_stage);
+                                                  bool accumulate, int first_key = 0) {
+    const std::uint64_t v_descriptor = ptx::advance_descriptor(
+        descriptors.v_at(v_stage), static_cast<std::uint32_t>(first_key * kSwizzleRowBytes));
     constexpr int kParts = kHeadDim / kPvColumns;
     constexpr std::uint32_t kPartBytes = kPvColumns / kSwizzleElements * kBlockN * kSwizzleRowBytes;
 #pragma unroll
-    for (int slice = 0; slice < kPvSlices; ++slice) {
+    for (int slice = 0; slice < kColumns / kWgmmaK; ++slice) {
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
         auto& out_part =
@@ -877,13 +888,18 @@ struct AttentionSm90Kernel {
     // so both have (nearly) retired when the issue returns: the softmax
     // overlaps the other warpgroup's products, and writes P_j in place of
     // P_{j-1}.
-    const auto next_block = [&](int block, auto masked) {
+    // kColumns < kBlockN: a last block whose new keys fit in its half
+    // (kColumns keys) that holds them, the last half when the block ends
+    // at the user's last key.
+    const auto next_block = [&](int block, auto masked, auto columns) {
+      constexpr int kColumns = decltype(columns)::value;
+      const int first_key = kColumns < kBlockN && tail_first > 0 ? kBlockN - kColumns : 0;
       const int k_stage = steps.wait(key_step(block));
       turn_begin(consumer);
       ptx::fence_operands(registers.scores);
       ptx::fence_operands(registers.out_acc);
       ptx::wgmma_fence();
-      issue_scores(registers, descriptors, k_stage);
+      issue_scores<kColumns>(registers, descriptors, k_stage, first_key);
       // V_{j-1} is awaited only now: its load may still be landing while QK_j^T runs.
       const int v_stage = steps.wait(value_step(block - 1, blocks));
       issue_pv(registers, descriptors, v_stage, block > 1);  // PV_0 starts O
@@ -895,9 +911,9 @@ struct AttentionSm90Kernel {
       steps.release(v_stage);
       const auto softmax = [&](auto masked_softmax) {
         constexpr bool kMasked = decltype(masked_softmax)::value;
-        return online_softmax<kMasked, false>(registers, correction, scale_log2,
-                                              kMasked ? tail_first : 0,
-                                              kMasked ? tail_keys : kBlockN);
+        return online_softmax<kMasked, false, kColumns>(registers, correction, scale_log2,
+                                                        kMasked ? tail_first - first_key : 0,
+                                                        kMasked ? tail_keys : kBlockN);
       };
       bool rescale;
       if constexpr (std::is_same_v<decltype(masked), MaskWhereKeysEnd>) {
@@ -911,31 +927,47 @@ struct AttentionSm90Kernel {
         for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
       }
     };
+    // O += P_{n-1} V_{n-1}.
+    const auto last_pv = [&](auto columns) {
+      constexpr int kColumns = decltype(columns)::value;
+      const int first_key = kColumns < kBlockN && tail_first > 0 ? kBlockN - kColumns : 0;
+      const int last_step = value_step(blocks - 1, blocks);
+      const int v_stage = steps.wait(last_step);
+      if constexpr (kFixUpWarp) {
+        if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
+      }
+      turn_begin(consumer);
+      ptx::fence_operands(registers.out_acc);
+      ptx::wgmma_fence();
+      issue_pv<kColumns>(registers, descriptors, v_stage, blocks > 1, first_key);
+      turn_end(consumer);
+      ptx::wgmma_wait<0>();
+      fence_pv_operands(registers);
+      steps.release(v_stage);
+    };
+    using Whole = std::integral_constant<int, kBlockN>;
     if constexpr (kWholeBlocks) {
-      for (int block = 1; block < blocks; ++block) next_block(block, std::false_type{});
+      for (int block = 1; block < blocks; ++block) next_block(block, std::false_type{}, Whole{});
     } else if constexpr (tail_out_of_loop(kHeadDim)) {
       // The last block, whose keys may end inside it, runs after the loop
       // with the masked softmax (a full last block through a window of all
-      // its keys).
-      for (int block = 1; block < blocks - 1; ++block) next_block(block, std::false_type{});
-      if (blocks > 1) next_block(blocks - 1, std::true_type{});
+      // its keys), over half the block when its new keys fit there. Each
+      // path retires its products before the paths join: a wgmma still in
+      // flight across the join would make ptxas serialize them all.
+      for (int block = 1; block < blocks - 1; ++block) {
+        next_block(block, std::false_type{}, Whole{});
+      }
+      if (blocks > 1 && tail_keys <= kBlockN / 2) {
+        using Half = std::integral_constant<int, kBlockN / 2>;
+        next_block(blocks - 1, std::true_type{}, Half{});
+        last_pv(Half{});
+        return;
+      }
+      if (blocks > 1) next_block(blocks - 1, std::true_type{}, Whole{});
     } else {
-      for (int block = 1; block < blocks; ++block) next_block(block, MaskWhereKeysEnd{});
+      for (int block = 1; block < blocks; ++block) next_block(block, MaskWhereKeysEnd{}, Whole{});
     }
-    // O += P_{n-1} V_{n-1}.
-    const int last_step = value_step(blocks - 1, blocks);
-    const int v_stage = steps.wait(last_step);
-    if constexpr (kFixUpWarp) {
-      if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
-    }
-    turn_begin(consumer);
-    ptx::fence_operands(registers.out_acc);
-    ptx::wgmma_fence();
-    issue_pv(registers, descriptors, v_stage, blocks > 1);
-    turn_end(consumer);
-    ptx::wgmma_wait<0>();
-    fence_pv_operands(registers);
-    steps.release(v_stage);
+    last_pv(Whole{});
   }
 
   // ---- the fixer (producer warp 3) ----
