@@ -94,7 +94,8 @@ std::vector<Record> run_attention_suite(const BenchContext& context) {
   const Buffer out(static_cast<std::size_t>(max_query_rows * row * element), device);
   const Buffer k(static_cast<std::size_t>(max_kv_rows * row * element), device);
   const Buffer v(static_cast<std::size_t>(max_kv_rows * row * element), device);
-  fill_uniform(q, dtype, max_query_rows * row, 1.0f, kQuerySeed, stream);
+  fill_uniform(q, dtype, max_query_rows * row, static_cast<float>(dims.q_scale), kQuerySeed,
+               stream);
   fill_uniform(k, dtype, max_kv_rows * row, 1.0f, kKeySeed, stream);
   fill_uniform(v, dtype, max_kv_rows * row, 1.0f, kValueSeed, stream);
 
@@ -105,6 +106,7 @@ std::vector<Record> run_attention_suite(const BenchContext& context) {
         {"B", batch},      {"ratio", layout.shape.ratio}, {"U", layout.users}, {"S", seq_len},
         {"H", dims.heads}, {"n_seed", dims.n_seed},       {"D", dims.head_dim}};
     if (dims.jagged) fields.push_back({"kv_rows", layout.kv_rows});
+    if (dims.q_scale != 1) fields.push_back({"q_scale", dims.q_scale});
     ShapeRecords records(context, "attention", kAttentionVariants, std::move(fields),
                          attention_work(dims, layout, dtype), dims.jagged);
     try {

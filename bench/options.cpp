@@ -38,6 +38,9 @@ candidate GEMM's epilogue.
   --H n --n-seed n --D n        attention heads, queries per candidate, head dim
                                 (default 2, 64, 128)
   --jagged               jagged K/V: user lengths uniform in [S/2, 3S/2]
+  --q-scale n            attention queries uniform in [-n, n) instead of [-1, 1):
+                         logits of standard deviation n / 3 instead of 1 / 3
+                         (the online softmax rescales more often as they grow)
   --unsorted             shuffle cand_to_user (default: grouped by user)
   --reps n --warmup n    timed and untimed runs per record
                          (default 30 and 5 on a GPU, 5 and 1 on the CPU)
@@ -77,7 +80,7 @@ struct Defaults {
 };
 
 constexpr LceDims kReferenceLce{433, 256, 1178, 866};
-constexpr AttentionDims kReferenceAttention{2, 64, 128, false};
+constexpr AttentionDims kReferenceAttention{2, 64, 128, false, 1};
 // The first MLP layer of examples/ranking_model, as python/ikbo/bench.py times it.
 constexpr LinearDims kReferenceLinear{512, 256, 3976};
 
@@ -288,6 +291,8 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     } else if (name == "--jagged") {
       flag();
       given.attention.jagged = true;
+    } else if (name == "--q-scale") {
+      given.attention.q_scale = parse_integer(value(), name, 1);
     } else if (name == "--unsorted") {
       flag();
       options.sorted_map = false;

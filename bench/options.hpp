@@ -50,6 +50,9 @@ struct LinearDims {
 struct AttentionDims {
   std::int64_t heads = 0, n_seed = 0, head_dim = 0;
   bool jagged = false;  // per-user lengths drawn around S instead of S for all
+  // Queries uniform in [-q_scale, q_scale) (keys and values in [-1, 1)):
+  // at the default softmax scale the logits' standard deviation is q_scale / 3.
+  std::int64_t q_scale = 1;
 };
 
 struct Options {
