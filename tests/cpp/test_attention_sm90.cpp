@@ -144,6 +144,12 @@ const std::vector<AttentionCase>& sm90_cases() {
       {"seed37_d128_h2_s320_half_last_block", 9, 4, 37, 2, 128, 320, {},
        MapOrder::uneven_unsorted, std::nullopt},
       {"seed37_d64_h1_s127_negative_scale", 6, 2, 37, 1, 64, 127, {}, MapOrder::unsorted, -0.2f},
+      // Logits of standard deviation ~7.5 (scale 1 at D = 128, queries in
+      // [-2, 2)): later blocks often exceed the running maxima, so P grows
+      // up to the lazy rescaling's limit before O is rescaled.
+      {"seed64_d128_h2_s1000_scale_1", 7, 3, 64, 2, 128, 1000, {}, MapOrder::unsorted, 1.0f},
+      {"jagged_seed37_d128_h2_scale_1", 9, 4, 37, 2, 128, 0, {700, 0, 129, 1000},
+       MapOrder::uneven_unsorted, 1.0f},
       {"seed1_d128_h2_s127_zero_scale", 4, 2, 1, 2, 128, 127, {}, MapOrder::unsorted, 0.0f},
       {"jagged_seed37_d64_h2", 11, 5, 37, 2, 64, 0, {300, 0, 127, 1, 640},
        MapOrder::uneven_unsorted, std::nullopt},
