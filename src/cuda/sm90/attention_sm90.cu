@@ -891,12 +891,16 @@ struct AttentionSm90Kernel {
     // so both have (nearly) retired when the issue returns: the softmax
     // overlaps the other warpgroup's products, and writes P_j in place of
     // P_{j-1}.
-    // kColumns < kBlockN: a last block whose new keys fit in its half
-    // (kColumns keys) that holds them, the last half when the block ends
-    // at the user's last key.
+    // A last block narrower than kBlockN (its new keys fit in kColumns of
+    // them) covers the block's first kColumns keys, or its last ones when
+    // the block ends at the user's last key: where it starts in the stage.
+    const auto first_key_of = [&](auto columns) {
+      constexpr int kColumns = decltype(columns)::value;
+      return kColumns < kBlockN && tail_first > 0 ? kBlockN - kColumns : 0;
+    };
     const auto next_block = [&](int block, auto masked, auto columns) {
       constexpr int kColumns = decltype(columns)::value;
-      const int first_key = kColumns < kBlockN && tail_first > 0 ? kBlockN - kColumns : 0;
+      const int first_key = first_key_of(columns);
       const int k_stage = steps.wait(key_step(block));
       turn_begin(consumer);
       ptx::fence_operands(registers.scores);
@@ -933,7 +937,7 @@ struct AttentionSm90Kernel {
     // O += P_{n-1} V_{n-1}.
     const auto last_pv = [&](auto columns) {
       constexpr int kColumns = decltype(columns)::value;
-      const int first_key = kColumns < kBlockN && tail_first > 0 ? kBlockN - kColumns : 0;
+      const int first_key = first_key_of(columns);
       const int last_step = value_step(blocks - 1, blocks);
       const int v_stage = steps.wait(last_step);
       if constexpr (kFixUpWarp) {
