@@ -15,7 +15,11 @@
 // and bitwise-identical results of the four schedules (ping-pong,
 // cooperative, each with and without the look-ahead epilogue); outputs
 // poisoned (NaN) before every run. A second test puts +Inf into one user's
-// K and V and checks that the neighbouring users' outputs stay exact.
+// K and V and checks that the neighbouring users' outputs stay exact; a
+// third gives each query row logits of a single sign (all negative in
+// half the rows, at both signs of the scale); a fourth scales the keys of
+// alternate users by 8 and 1/8, so that the first blocks' predicted maxima
+// (taken from the previous unit) miss both ways as well as hit.
 // AttentionSm90PublishedGrid runs the published grid at its real sizes (B in
 // {512, 1024, 2048}, H in {1, 2, 4, 6}, S in {500, 512, 1000, 1024, 2000,
 // 2048}, ratio in {10, 70}; n_seed = 64, D = 128, f16, dense K/V, sorted
@@ -338,6 +342,72 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
                                       candidate_outputs(expected, inputs, b), dtype));
       }
     }
+  }
+}
+
+// Logits of one sign per query row: every key is <= 0 and the query rows
+// alternate between >= 0 and <= 0, so at either sign of the scale some rows
+// of every warp have only negative logits and others only positive ones
+// (a row maximum must not lean on scores of either sign, e.g. through the
+// order of their bits as integers): a single masked block (S = 100), a
+// masked last block (S = 300) and jagged lengths with an empty history.
+TEST_F(AttentionSm90Test, LogitsOfOneSignPerRowMatchReference) {
+  const std::vector<std::tuple<std::int64_t, std::int64_t, std::vector<std::int64_t>>> shapes = {
+      {64, 100, {}}, {128, 300, {}}, {128, 0, {100, 0, 300}}};
+  for (const auto& [head_dim, seq_len, lengths] : shapes) {
+    for (const float scale : {0.1f, -0.1f}) {
+      SCOPED_TRACE(testing::Message() << "D = " << head_dim << ", S = " << seq_len << ", "
+                                      << lengths.size() << " jagged users, scale " << scale);
+      SeededRng rng;
+      const DType dtype = DType::f16;
+      const AttentionCase test_case{
+          "one_sign_rows", 7, 3, 37, 2, head_dim, seq_len, lengths, MapOrder::unsorted, scale};
+      AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+      for (double& value : inputs.k.values) value = -std::abs(value);
+      for (std::size_t i = 0; i < inputs.q.values.size(); ++i) {
+        const double magnitude = std::abs(inputs.q.values[i]);
+        const bool row_positive = (i / static_cast<std::size_t>(head_dim)) % 2 == 0;
+        inputs.q.values[i] = row_positive ? magnitude : -magnitude;
+      }
+      const DeviceProblem problem(inputs, test_case.num_users, test_case.jagged());
+      const std::vector<double> expected = inputs.expected();
+      for (const Path path : {Path::portable, Path::ping_pong, Path::cooperative_lookahead}) {
+        EXPECT_TRUE(matches_reference(problem.run(path), expected, dtype))
+            << "path " << static_cast<int>(path);
+      }
+    }
+  }
+}
+
+// Dense K/V: a unit's first block may take the row maxima of the warp's
+// previous unit of the same head as its reference, checked by the block's
+// sums. Keys scaled by 8 for even users and by 1/8 for odd ones make the
+// logits of consecutive units of a CTA differ by several powers of two
+// (misses both ways, and hits): enough units (~350) that every CTA takes
+// several, at D = 64 (general kernel) and D = 128 in whole blocks.
+TEST_F(AttentionSm90Test, PredictedMaximaAcrossUsersOfDifferentScales) {
+  const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{64, 200}, {128, 256}};
+  for (const auto& [head_dim, seq_len] : shapes) {
+    SCOPED_TRACE(testing::Message() << "D = " << head_dim << ", S = " << seq_len);
+    SeededRng rng;
+    const DType dtype = DType::f16;
+    const AttentionCase test_case{
+        "scaled_users", 600, 4, 37, 2, head_dim, seq_len, {}, MapOrder::unsorted, std::nullopt};
+    AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+    const auto user_values = static_cast<std::size_t>(seq_len * test_case.heads * head_dim);
+    for (std::size_t i = 0; i < inputs.k.values.size(); ++i) {
+      inputs.k.values[i] *= (i / user_values) % 2 == 0 ? 8.0 : 0.125;
+    }
+    const DeviceProblem problem(inputs, test_case.num_users, false);
+    const std::vector<double> expected = inputs.expected();
+    const std::vector<double> hopper = problem.run(Path::ping_pong);
+    EXPECT_TRUE(matches_reference(hopper, expected, dtype));
+    EXPECT_LE(max_abs_error(hopper, expected), 2e-3);
+    EXPECT_TRUE(exactly_equal(problem.run(Path::ping_pong), hopper))
+        << "two runs on identical inputs differ";
+    EXPECT_TRUE(exactly_equal(problem.run(Path::cooperative_lookahead), hopper))
+        << "cooperative_lookahead differs from ping-pong";
+    EXPECT_TRUE(matches_reference(problem.run(Path::portable), expected, dtype));
   }
 }
 
