@@ -381,10 +381,11 @@ TEST_F(AttentionSm90Test, LogitsOfOneSignPerRowMatchReference) {
 
 // Dense K/V: a unit's first block may take the row maxima of the warp's
 // previous unit of the same head as its reference, checked by the block's
-// sums. Keys scaled by 8 for even users and by 1/8 for odd ones make the
-// logits of consecutive units of a CTA differ by several powers of two
-// (misses both ways, and hits): enough units (~350) that every CTA takes
-// several, at D = 64 (general kernel) and D = 128 in whole blocks.
+// sums. Keys scaled by 8 for even users and by 1/8 for odd ones (logits of
+// standard deviation ~5 and ~0.08) are meant to make guesses miss both ways
+// where a CTA's consecutive units belong to users of different scales (about
+// half of them on a 132-SM H100) and hit elsewhere: ~350 units, so that every
+// CTA takes several, at D = 64 (general kernel) and D = 128 in whole blocks.
 TEST_F(AttentionSm90Test, PredictedMaximaAcrossUsersOfDifferentScales) {
   const std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{64, 200}, {128, 256}};
   for (const auto& [head_dim, seq_len] : shapes) {

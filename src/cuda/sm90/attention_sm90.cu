@@ -165,9 +165,9 @@ constexpr float kRescaleLimit = 32768.0f;
 // kRescaleLimit] (so the largest P of each thread's part of a row is at
 // least 2^-13, normal in fp16, and none exceeds 2^15); otherwise it computes
 // its maxima and its P again, and the warp stops guessing for the next
-// kPredictBackoff units. H100, session 21: S = 512 +1-1.6% at the bench's
-// inputs; on logits of standard deviation 4, which miss often, -0.5-1.8%
-// (-4% when guessing again after 3 units).
+// kPredictBackoff units. H100, session 21: S = 512 ran 1-2% faster on the
+// bench's inputs, 0-1.8% slower on logits of standard deviation 4, where
+// most guesses miss (4% slower when guessing again after 3 units).
 constexpr float kPredictFloor = 1.0f / 256.0f;
 constexpr int kPredictBackoff = 32;
 constexpr unsigned kFullWarp = 0xffffffffu;
