@@ -129,6 +129,7 @@ void ClockMonitor::start() {
 int ClockMonitor::settle(int max_ms) {
   if (!available()) return 0;
   const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(std::min(kMinIdleMs, max_ms)));
   for (;;) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - start);

@@ -51,10 +51,15 @@ class ClockMonitor {
   void start();
   ClockSummary stop();
 
-  // Idles until the driver reports no power or thermal limit on the clock
-  // (checked every kSettlePeriodMs), for at most max_ms; returns the
-  // milliseconds waited. The GPU must have no work queued. Returns at once
-  // when NVML is unavailable.
+  // Idles kMinIdleMs and then until the driver reports no power or thermal
+  // limit on the clock (checked every kSettlePeriodMs), for at most max_ms;
+  // returns the milliseconds waited. The GPU must have no work queued.
+  // Returns at once when NVML is unavailable. The flag alone is not enough:
+  // on H100 it is often clear right after a burst at the power limit while
+  // the next burst still starts throttled (attention at S = 4096 read 629
+  // instead of 705 TFLOP/s with no idle; 50 ms restored it every time,
+  // bench/notes/attention_sm90.md, session 22).
+  static constexpr int kMinIdleMs = 100;
   static constexpr int kSettlePeriodMs = 10;
   int settle(int max_ms);
 

@@ -44,10 +44,11 @@ candidate GEMM's epilogue.
   --unsorted             shuffle cand_to_user (default: grouped by user)
   --reps n --warmup n    timed and untimed runs per record
                          (default 30 and 5 on a GPU, 5 and 1 on the CPU)
-  --settle-ms n          GPU: before each variant, idle until the driver reports
-                         no power or thermal limit on the SM clock, for at most
-                         n ms (default 2000; 0: never), so that no variant
-                         inherits the power state of the one before it
+  --settle-ms n          GPU: before each variant, idle 100 ms and then until the
+                         driver reports no power or thermal limit on the SM
+                         clock, for at most n ms (default 2000; 0: never), so
+                         that no variant inherits the power state of the one
+                         before it
   --json FILE            also write the records as JSON
   --variants list        time only these variants (comma separated names)
   --profile              no timing: run each variant once between

@@ -67,7 +67,8 @@ std::string Timer::clock_sampling() const {
                            std::to_string(ClockMonitor::kSamplePeriodMs) +
                            " ms during the timed runs";
     if (settle_ms_ > 0) {
-      sampling += "; before each variant, idle until no power or thermal limit (at most " +
+      sampling += "; before each variant, idle " + std::to_string(ClockMonitor::kMinIdleMs) +
+                  " ms and then until no power or thermal limit (at most " +
                   std::to_string(settle_ms_) + " ms)";
     }
     return sampling;

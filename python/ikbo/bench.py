@@ -40,8 +40,8 @@ CUDA events around each run, a write over twice the L2 size before each run
 (outside the events) so no run finds the previous one's data in cache, and
 the SM clock sampled through NVML during the timed runs (``ClockMonitor``:
 records gain ``sm_mhz``, ``min_sm_mhz``, ``clock_limits``), after idling
-until the driver reports no power or thermal limit on it (``--settle-ms``;
-the wait is the records' ``settled_ms``). CPU:
+100 ms and then until the driver reports no power or thermal limit on it
+(``--settle-ms``; the wait is the records' ``settled_ms``). CPU:
 ``time.perf_counter``. Both report the median of ``--reps`` runs after
 ``--warmup`` untimed ones. A request has U = round(B / ratio) users with
 candidate counts spread as evenly as possible (where B / U is whole, every
@@ -204,6 +204,7 @@ class ClockMonitor:
     is False, with ``unavailable_reason``, where NVML cannot be reached."""
 
     PERIOD_S = 0.002
+    MIN_IDLE_MS = 100
     SETTLE_PERIOD_S = 0.01
 
     def __init__(self, device: torch.device) -> None:
@@ -244,12 +245,17 @@ class ClockMonitor:
         return self._nvml is not None
 
     def settle(self, max_ms: int) -> int:
-        """Idles until the driver reports no power or thermal limit on the
-        clock (checked every ``SETTLE_PERIOD_S``), for at most ``max_ms``;
-        returns the milliseconds waited. The GPU must have no work queued."""
+        """Idles ``MIN_IDLE_MS`` and then until the driver reports no power
+        or thermal limit on the clock (checked every ``SETTLE_PERIOD_S``),
+        for at most ``max_ms``; returns the milliseconds waited. The GPU must
+        have no work queued. The flag alone is not enough: on H100 it is
+        often clear right after a burst at the power limit while the next
+        burst still starts throttled (attention at S = 4096 read 629 instead
+        of 705 TFLOP/s with no idle; 50 ms restored it every time)."""
         if not self.available:
             return 0
         start = time.perf_counter()
+        time.sleep(min(self.MIN_IDLE_MS, max_ms) / 1e3)
         while True:
             waited_ms = round((time.perf_counter() - start) * 1e3)
             limited = (self._current_reasons() or 0) & _TRANSIENT_LIMITS
@@ -307,9 +313,9 @@ class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data; before the warm-up the timer idles until the
-    driver reports no power or thermal limit on the clock (at most
-    ``settle_ms``), so each variant starts from the same state rather than
+    the previous run's data; before the warm-up the timer idles 100 ms and
+    then until the driver reports no power or thermal limit on the clock (at
+    most ``settle_ms``), so each variant starts from the same state rather than
     from what the one before it left; the SM clock is sampled during the
     timed runs (``last_clocks``). On the CPU runs are timed with
     ``perf_counter``."""
@@ -343,8 +349,8 @@ class Timer:
         )
         if self.settle_ms > 0:
             sampling += (
-                "; before each variant, idle until no power or thermal limit "
-                f"(at most {self.settle_ms} ms)"
+                f"; before each variant, idle {ClockMonitor.MIN_IDLE_MS} ms and then until no "
+                f"power or thermal limit (at most {self.settle_ms} ms)"
             )
         return sampling
 
@@ -1577,8 +1583,8 @@ def _parser() -> argparse.ArgumentParser:
         "--settle-ms",
         type=int,
         default=2000,
-        help="GPU: before each variant, idle until the driver reports no power or thermal "
-        "limit on the SM clock, for at most this long (default 2000; 0: never)",
+        help="GPU: before each variant, idle 100 ms and then until the driver reports no "
+        "power or thermal limit on the SM clock, for at most this long (default 2000; 0: never)",
     )
     parser.add_argument("--json", metavar="FILE", help="write the records to FILE")
     parser.add_argument("--plot", metavar="DIR", help="draw PNG plots into DIR (needs matplotlib)")
