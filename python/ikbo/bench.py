@@ -313,12 +313,12 @@ class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data; before the warm-up the timer idles 100 ms and
-    then until the driver reports no power or thermal limit on the clock (at
-    most ``settle_ms``), so each variant starts from the same state rather than
-    from what the one before it left; the SM clock is sampled during the
-    timed runs (``last_clocks``). On the CPU runs are timed with
-    ``perf_counter``."""
+    the previous run's data; before the warm-up the timer idles
+    ``ClockMonitor.MIN_IDLE_MS`` and then until the driver reports no power or
+    thermal limit on the clock (at most ``settle_ms``), so each variant starts
+    from the same state rather than from what the one before it left; the SM
+    clock is sampled during the timed runs (``last_clocks``). On the CPU runs
+    are timed with ``perf_counter``."""
 
     def __init__(self, device: torch.device, reps: int, warmup: int, settle_ms: int = 2000) -> None:
         if reps < 1 or warmup < 0 or settle_ms < 0:
@@ -1583,8 +1583,9 @@ def _parser() -> argparse.ArgumentParser:
         "--settle-ms",
         type=int,
         default=2000,
-        help="GPU: before each variant, idle 100 ms and then until the driver reports no "
-        "power or thermal limit on the SM clock, for at most this long (default 2000; 0: never)",
+        help=f"GPU: before each variant, idle {ClockMonitor.MIN_IDLE_MS} ms and then until the "
+        "driver reports no power or thermal limit on the SM clock, for at most this long "
+        "(default 2000; 0: never)",
     )
     parser.add_argument("--json", metavar="FILE", help="write the records to FILE")
     parser.add_argument("--plot", metavar="DIR", help="draw PNG plots into DIR (needs matplotlib)")
