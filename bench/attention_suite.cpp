@@ -126,9 +126,13 @@ std::vector<Record> run_attention_suite(const BenchContext& context) {
               : Tensor(k.data(), dtype, {layout.users, seq_len, dims.heads, dims.head_dim}, device);
       Tensor v_view = k_view;
       v_view.data = v.data();
+      // The workspace a call of few query tiles splits its keys with (none otherwise).
+      const Buffer workspace(attention_workspace_bytes(q_view, k_view, v_view, map,
+                                                       offsets ? &*offsets : nullptr),
+                             device);
       records.measure(kIkbo, [&] {
         attention(q_view, k_view, v_view, map, out_view, offsets ? &*offsets : nullptr,
-                  std::nullopt, stream);
+                  std::nullopt, stream, {workspace.data(), workspace.bytes()});
       });
 
       const auto full_bytes = static_cast<std::size_t>(2 * batch * seq_len * row * element);

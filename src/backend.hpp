@@ -78,6 +78,9 @@ struct AttentionArgs {
   const JaggedOffsets::State* kv_offsets = nullptr;  // null: dense
   float scale = 1.0f;
   Stream stream = nullptr;
+  // Optional (null: none): lets the Hopper path split the keys of a call
+  // with few query tiles (cuda::attention_workspace_bytes).
+  void* workspace = nullptr;
 };
 
 // Calls fn(std::integral_constant<int, D>{}) with the head dim D of `args`
@@ -191,6 +194,8 @@ void linear(const LinearArgs& args);
 void linear_decomposed(const LinearArgs& args);
 std::size_t linear_concat_workspace_bytes();  // cuBLASLt scratch
 void linear_concat(const LinearConcatArgs& args);
+// Bytes of workspace attention() can use for `args` (0: none).
+std::size_t attention_workspace_bytes(const AttentionArgs& args);
 void attention(const AttentionArgs& args);
 void gather_rows(const GatherRowsArgs& args);
 }  // namespace cuda

@@ -22,8 +22,24 @@ namespace ikbo {
 // Validates every argument (ikbo::Error, nothing written, on any mismatch),
 // then computes out. `kv_offsets` null means dense K/V. On CUDA the call is
 // asynchronous on `stream`, allocates nothing and never synchronizes.
+//
+// `workspace` is optional. A call with fewer query tiles (128 query rows of
+// one user and head) than the GPU can keep busy uses it on Hopper GPUs to
+// split each tile's keys into ranges run side by side, whose partial
+// results it combines in a second launch (bitwise repeatable; not bitwise
+// equal to the unsplit result). Without a workspace such a call runs
+// unsplit, on fewer SMs. A workspace given must hold
+// attention_workspace_bytes() bytes.
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const CandidateMap& map,
                const Tensor& out, const JaggedOffsets* kv_offsets = nullptr,
-               std::optional<float> scale = std::nullopt, Stream stream = nullptr);
+               std::optional<float> scale = std::nullopt, Stream stream = nullptr,
+               Workspace workspace = {});
+
+// Bytes of workspace attention() can use for these inputs: 0 on the CPU,
+// on GPUs without the Hopper path and for calls with enough query tiles.
+// Validates the arguments as attention() does (without out and scale).
+std::size_t attention_workspace_bytes(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const CandidateMap& map,
+                                      const JaggedOffsets* kv_offsets = nullptr);
 
 }  // namespace ikbo

@@ -304,7 +304,10 @@ def attention(
 
     All tensors share one dtype (float16, bfloat16 or float32) and device;
     softmax and accumulation run in fp32. On CUDA the op is asynchronous on
-    the current stream.
+    the current stream. A call with fewer query tiles (128 query rows of
+    one user and head) than a Hopper GPU can keep busy gets a workspace
+    from ``q``'s framework, with which the kernel splits the tiles' keys
+    across more SMs and combines the parts in a second launch.
 
     Returns:
         ``out``.
@@ -319,8 +322,12 @@ def attention(
         kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets), k.shape[0], stream)
     num_users = kv_offsets.num_users if kv_offsets is not None else k.shape[0]
     candidate_map = _candidate_map(cand_to_user_or_map, None, num_users, stream)
+    # Validates q, k, v and the map, so nothing is allocated from the shape
+    # of an invalid input; nonzero when the call's keys split across SMs.
+    workspace_bytes = _C.attention_workspace_bytes(q, k, v, candidate_map, kv_offsets)
     if out is None:
         out = _allocate(q, tuple(q.shape))
+    workspace = _allocate(q, (workspace_bytes,), raw_bytes=True) if workspace_bytes else None
     _C.attention(
         q,
         k,
@@ -330,5 +337,6 @@ def attention(
         kv_offsets,
         None if scale is None else float(scale),
         stream,
+        workspace,
     )
     return out

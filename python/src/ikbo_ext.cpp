@@ -143,13 +143,15 @@ ikbo::Tensor to_tensor(const Array& array, std::string_view name) {
 
 ikbo::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<ikbo::Stream>(stream); }
 
-ikbo::Workspace to_workspace(const std::optional<OutputArray>& workspace, ikbo::Device device) {
+// `owner`: what names the op's device in the error (e.g. "the plan").
+ikbo::Workspace to_workspace(const std::optional<OutputArray>& workspace, ikbo::Device device,
+                             std::string_view owner) {
   if (!workspace) return {};
   check_row_major(*workspace, "workspace");
   const ikbo::Device where =
       to_device(workspace->device_type(), workspace->device_id(), "workspace");
   if (workspace->nbytes() != 0 && where != device) {
-    fail("workspace must be on ", ikbo::device_name(device), " like the plan, got ",
+    fail("workspace must be on ", ikbo::device_name(device), " like ", owner, ", got ",
          ikbo::device_name(where));
   }
   return {workspace->data(), workspace->nbytes()};
@@ -311,7 +313,7 @@ void bind_lce(nb::module_& m) {
         const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
         const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
         const ikbo::Tensor out_view = to_tensor(out, "out");
-        const ikbo::Workspace scratch = to_workspace(workspace, plan.device());
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
         nb::gil_scoped_release release;
         ikbo::lce(plan, e_c_view, e_u_view, map, out_view, to_stream(stream), scratch);
       },
@@ -409,7 +411,7 @@ void bind_linear(nb::module_& m) {
         const ikbo::Tensor x_c_view = to_tensor(x_c, "x_c");
         const ikbo::Tensor x_u_view = to_tensor(x_u, "x_u");
         const ikbo::Tensor out_view = to_tensor(out, "out");
-        const ikbo::Workspace scratch = to_workspace(workspace, plan.device());
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
         nb::gil_scoped_release release;
         ikbo::linear(plan, x_c_view, x_u_view, map, out_view, to_stream(stream), scratch);
       },
@@ -424,23 +426,38 @@ void bind_linear(nb::module_& m) {
 
 void bind_attention(nb::module_& m) {
   m.def(
+      "attention_workspace_bytes",
+      [](InputArray q, InputArray k, InputArray v, const ikbo::CandidateMap& map,
+         const ikbo::JaggedOffsets* kv_offsets) {
+        return ikbo::attention_workspace_bytes(to_tensor(q, "q"), to_tensor(k, "k"),
+                                               to_tensor(v, "v"), map, kv_offsets);
+      },
+      "q"_a, "k"_a, "v"_a, "map"_a, "kv_offsets"_a.none() = nb::none(),
+      "Bytes of workspace attention() can use for these inputs (0 on the CPU, on GPUs\n"
+      "without the Hopper path and for calls with enough query tiles). Validates the\n"
+      "arguments as attention() does.");
+  m.def(
       "attention",
       [](InputArray q, InputArray k, InputArray v, const ikbo::CandidateMap& map, OutputArray out,
-         const ikbo::JaggedOffsets* kv_offsets, std::optional<float> scale, std::uintptr_t stream) {
+         const ikbo::JaggedOffsets* kv_offsets, std::optional<float> scale, std::uintptr_t stream,
+         std::optional<OutputArray> workspace) {
         const ikbo::Tensor q_view = to_tensor(q, "q");
         const ikbo::Tensor k_view = to_tensor(k, "k");
         const ikbo::Tensor v_view = to_tensor(v, "v");
         const ikbo::Tensor out_view = to_tensor(out, "out");
+        const ikbo::Workspace scratch = to_workspace(workspace, q_view.device, "q");
         nb::gil_scoped_release release;
         ikbo::attention(q_view, k_view, v_view, map, out_view, kv_offsets, scale,
-                        to_stream(stream));
+                        to_stream(stream), scratch);
       },
       "q"_a, "k"_a, "v"_a, "map"_a, "out"_a, "kv_offsets"_a.none() = nb::none(),
-      "scale"_a.none() = nb::none(), "stream"_a = 0,
+      "scale"_a.none() = nb::none(), "stream"_a = 0, "workspace"_a.none() = nb::none(),
       "out[b, :, h, :] = softmax(scale * q[b, :, h, :] @ k_u[:, h, :]^T) @ v_u[:, h, :], with\n"
       "u = map.cand_to_user[b]. q, out [B, n_seed, H, D]; k, v dense [U, S, H, D], or jagged\n"
       "[total, H, D] with kv_offsets. scale defaults to 1/sqrt(D); users with no keys get\n"
-      "zeros. On CUDA: asynchronous on `stream`, no workspace needed. Raises ValueError,\n"
+      "zeros. On CUDA: asynchronous on `stream`; `workspace` (optional) is a writable\n"
+      "buffer on q's device of at least attention_workspace_bytes() bytes, with which a\n"
+      "call of few query tiles splits their keys across more SMs. Raises ValueError,\n"
       "with out untouched, on any invalid argument.");
 }
 

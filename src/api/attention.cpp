@@ -6,9 +6,12 @@
 
 namespace ikbo {
 
-void attention(const Tensor& q, const Tensor& k, const Tensor& v, const CandidateMap& map,
-               const Tensor& out, const JaggedOffsets* kv_offsets, std::optional<float> scale,
-               Stream stream) {
+namespace {
+
+// Every check of attention() but those of out and scale; the call's backend
+// arguments without out, scale, stream and workspace.
+detail::AttentionArgs check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const CandidateMap& map, const JaggedOffsets* kv_offsets) {
   using detail::check_dim;
   using detail::check_tensor;
   using detail::require;
@@ -20,7 +23,6 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Candidat
   const int kv_rank = jagged ? 3 : 4;
   check_tensor(k, "k", dtype, device, kv_rank);
   check_tensor(v, "v", dtype, device, kv_rank);
-  check_tensor(out, "out", dtype, device, 4);
   if (device.is_cuda()) detail::device::require(device, "q");
 
   const std::int64_t num_candidates = q.size(0), n_seed = q.size(1), heads = q.size(2),
@@ -50,12 +52,6 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Candidat
   } else {
     detail::check_shape(v, "v", {k.size(0), k.size(1), k.size(2), k.size(3)}, "the shape of k");
   }
-  detail::check_shape(out, "out", {num_candidates, n_seed, heads, head_dim}, "the shape of q");
-  detail::check_no_overlap(out, "out", q, "q");
-  detail::check_no_overlap(out, "out", k, "k");
-  detail::check_no_overlap(out, "out", v, "v");
-  const float scale_value = scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
-  require(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
 
   detail::AttentionArgs args;
   args.dtype = dtype;
@@ -68,13 +64,47 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Candidat
   args.q = q.data;
   args.k = k.data;
   args.v = v.data;
-  args.out = out.data;
   args.map = &map.state();
   args.kv_offsets = jagged ? &kv_offsets->state() : nullptr;
+  return args;
+}
+
+std::size_t workspace_bytes(const detail::AttentionArgs& args, Device device) {
+  return args.num_candidates > 0 && device.is_cuda() ? detail::cuda::attention_workspace_bytes(args)
+                                                     : 0;
+}
+
+}  // namespace
+
+std::size_t attention_workspace_bytes(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const CandidateMap& map, const JaggedOffsets* kv_offsets) {
+  return workspace_bytes(check_inputs(q, k, v, map, kv_offsets), q.device);
+}
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const CandidateMap& map,
+               const Tensor& out, const JaggedOffsets* kv_offsets, std::optional<float> scale,
+               Stream stream, Workspace workspace) {
+  detail::AttentionArgs args = check_inputs(q, k, v, map, kv_offsets);
+  detail::check_tensor(out, "out", q.dtype, q.device, 4);
+  detail::check_shape(out, "out", {args.num_candidates, args.n_seed, args.heads, args.head_dim},
+                      "the shape of q");
+  detail::check_no_overlap(out, "out", q, "q");
+  detail::check_no_overlap(out, "out", k, "k");
+  detail::check_no_overlap(out, "out", v, "v");
+  const float scale_value =
+      scale.value_or(1.0f / std::sqrt(static_cast<float>(args.head_dim)));
+  detail::require(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
+  if (workspace.data != nullptr || workspace.bytes != 0) {
+    const std::size_t needed = workspace_bytes(args, q.device);
+    detail::check_workspace(workspace, needed, "attention_workspace_bytes");
+    // Only a workspace the call needs is passed on (none, when it needs none).
+    if (needed > 0) args.workspace = workspace.data;
+  }
+  args.out = out.data;
   args.scale = scale_value;
   args.stream = stream;
-  if (num_candidates == 0) return;
-  if (device.is_cuda()) {
+  if (args.num_candidates == 0) return;
+  if (q.device.is_cuda()) {
     detail::cuda::attention(args);
   } else {
     detail::cpu::attention(args);

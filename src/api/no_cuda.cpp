@@ -47,6 +47,7 @@ void linear(const LinearArgs&) { no_cuda("x_c"); }
 void linear_decomposed(const LinearArgs&) { no_cuda("x_c"); }
 std::size_t linear_concat_workspace_bytes() { no_cuda("x_full"); }
 void linear_concat(const LinearConcatArgs&) { no_cuda("x_full"); }
+std::size_t attention_workspace_bytes(const AttentionArgs&) { no_cuda("q"); }
 void attention(const AttentionArgs&) { no_cuda("q"); }
 void gather_rows(const GatherRowsArgs&) { no_cuda("the source"); }
 }  // namespace cuda

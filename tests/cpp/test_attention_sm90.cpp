@@ -62,10 +62,14 @@ std::optional<std::string> sm90_unavailable_reason() {
 #endif
 }
 
-// hopper_default: the Hopper path with the schedule attention() uses by default.
+// hopper_default: the Hopper path with the schedule attention() uses by
+// default; split_keys: the same with the workspace attention_workspace_bytes
+// asks for, key ranges down to one K/V block (so that small problems split
+// their keys across CTAs wherever they have few query tiles).
 enum class Path {
   portable,
   hopper_default,
+  split_keys,
   ping_pong,
   cooperative,
   ping_pong_lookahead,
@@ -79,10 +83,13 @@ class PathScope {
 #ifdef IKBO_WITH_CUDA
     previous_enabled_ = detail::cuda::attention_sm90_enabled();
     previous_schedule_ = detail::cuda::attention_sm90_schedule();
+    previous_min_range_blocks_ = detail::cuda::attention_sm90_min_range_blocks();
+    if (path == Path::split_keys) detail::cuda::set_attention_sm90_min_range_blocks(1);
     using detail::cuda::AttentionSm90Schedule;
     detail::cuda::set_attention_sm90_enabled(path != Path::portable);
     switch (path) {
       case Path::hopper_default:
+      case Path::split_keys:
         break;
       case Path::portable:
       case Path::ping_pong:
@@ -106,6 +113,7 @@ class PathScope {
 #ifdef IKBO_WITH_CUDA
     detail::cuda::set_attention_sm90_enabled(previous_enabled_);
     detail::cuda::set_attention_sm90_schedule(previous_schedule_);
+    detail::cuda::set_attention_sm90_min_range_blocks(previous_min_range_blocks_);
 #endif
   }
   PathScope(const PathScope&) = delete;
@@ -115,6 +123,7 @@ class PathScope {
 #ifdef IKBO_WITH_CUDA
   bool previous_enabled_ = true;
   detail::cuda::AttentionSm90Schedule previous_schedule_{};
+  int previous_min_range_blocks_ = 1;
 #endif
 };
 
@@ -207,12 +216,25 @@ class DeviceProblem {
     }
   }
 
-  std::vector<double> run(Path path) const {
+  // `with_workspace`: pass the workspace asked for on `path` (always on
+  // split_keys).
+  std::vector<double> run(Path path, bool with_workspace = false) const {
     const PathScope scope(path);
     const auto out = DeviceTensor::poisoned(kCuda, inputs_.q.dtype, inputs_.q.shape);
+    const bool workspace_given = with_workspace || path == Path::split_keys;
+    const DeviceBuffer workspace(kCuda, workspace_given ? workspace_bytes(path) : 0);
     attention(q_.view(), k_.view(), v_.view(), map_, out.view(),
-              kv_offsets_ ? &*kv_offsets_ : nullptr, inputs_.scale);
+              kv_offsets_ ? &*kv_offsets_ : nullptr, inputs_.scale, nullptr,
+              {workspace.data(), workspace.bytes()});
     return out.values();
+  }
+
+  // What attention_workspace_bytes asks for on `path` (split_keys: with key
+  // ranges down to one block).
+  std::size_t workspace_bytes(Path path = Path::split_keys) const {
+    const PathScope scope(path);
+    return attention_workspace_bytes(q_.view(), k_.view(), v_.view(), map_,
+                                     kv_offsets_ ? &*kv_offsets_ : nullptr);
   }
 
  private:
@@ -267,6 +289,8 @@ TEST_P(AttentionSm90VsReference, MatchesReferenceAndPortablePathAndRepeatsBitwis
   const std::vector<double> ping_pong_lookahead = problem.run(Path::ping_pong_lookahead);
   const std::vector<double> cooperative_lookahead = problem.run(Path::cooperative_lookahead);
   const std::vector<double> portable = problem.run(Path::portable);
+  const std::vector<double> split = problem.run(Path::split_keys);
+  const std::vector<double> split_again = problem.run(Path::split_keys);
   const std::vector<double> expected = inputs.expected();
 
   EXPECT_TRUE(matches_reference(hopper, expected, dtype()));
@@ -289,8 +313,21 @@ TEST_P(AttentionSm90VsReference, MatchesReferenceAndPortablePathAndRepeatsBitwis
   }
   // About one ulp of an output near 1 (outputs are averages of values in [-1, 1)).
   EXPECT_LE(hopper_error, dtype() == DType::f16 ? 2e-3 : 8e-3);
+  // Split keys: where the call has few query tiles (a workspace asked for),
+  // the key ranges' partial results combined; otherwise the same kernel as
+  // without a workspace.
+  const bool splits = problem.workspace_bytes() > 0;
+  EXPECT_TRUE(matches_reference(split, expected, dtype()));
+  EXPECT_TRUE(empty_histories_give_zeros(inputs, split));
+  EXPECT_TRUE(exactly_equal(split_again, split)) << "two split runs on identical inputs differ";
+  if (!splits) {
+    EXPECT_TRUE(exactly_equal(split, hopper)) << "an unsplit call differs";
+  }
+  const double split_error = max_abs_error(split, expected);
+  EXPECT_LE(split_error, dtype() == DType::f16 ? 2e-3 : 8e-3);
   std::cout << "[ sm90     ] " << test_case.name << " " << dtype_name(dtype())
-            << ": max abs error Hopper " << hopper_error << ", portable " << portable_error << "\n";
+            << ": max abs error Hopper " << hopper_error << ", portable " << portable_error
+            << ", split keys " << (splits ? "" : "(not split) ") << split_error << "\n";
 }
 
 std::string sm90_param_name(const testing::TestParamInfo<Sm90Param>& info) {
@@ -333,7 +370,8 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
     std::fill(inputs.v.values.begin() + first, inputs.v.values.begin() + last, inf);
     const DeviceProblem problem(inputs, test_case.num_users, jagged);
     const std::vector<double> expected = inputs.expected();
-    for (const Path path : {Path::portable, Path::ping_pong, Path::cooperative_lookahead}) {
+    for (const Path path :
+         {Path::portable, Path::ping_pong, Path::cooperative_lookahead, Path::split_keys}) {
       const std::vector<double> out = problem.run(path);
       for (std::int64_t b = 0; b < test_case.num_candidates; ++b) {
         if (inputs.cand_to_user[static_cast<std::size_t>(b)] == 1) continue;
@@ -343,6 +381,48 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
       }
     }
   }
+}
+
+// Split keys at the default minimum range: a call of few query tiles and
+// long histories asks for a workspace, one of short histories for none; the
+// first runs without one (unsplit) and with one (split), and refuses one
+// too small with an error that names it, leaving out untouched.
+TEST_F(AttentionSm90Test, SplitKeysWorkspaceIsOptionalAndChecked) {
+  SeededRng rng;
+  const DType dtype = DType::f16;
+  // 6 units (one tile per user and head, and the users' spare slots) of
+  // 32 blocks: each tile's keys in 32 / 8 = 4 ranges.
+  const AttentionCase test_case{"split", 6, 2, 37, 2, 128, 4096, {}, MapOrder::unsorted,
+                                std::nullopt};
+  const AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+  const DeviceProblem problem(inputs, test_case.num_users, false);
+  const std::size_t bytes = problem.workspace_bytes(Path::hopper_default);
+  ASSERT_GT(bytes, 0u) << "expected a call of few query tiles";
+  const AttentionCase short_case{"short", 6, 2, 37, 2, 128, 512, {}, MapOrder::unsorted,
+                                 std::nullopt};
+  const AttentionInputs short_inputs = random_attention_inputs(rng, dtype, short_case);
+  EXPECT_EQ(DeviceProblem(short_inputs, short_case.num_users, false)
+                .workspace_bytes(Path::hopper_default),
+            0u)
+      << "4 blocks make no key range of 8";
+  const std::vector<double> expected = inputs.expected();
+  EXPECT_TRUE(matches_reference(problem.run(Path::hopper_default), expected, dtype));
+  const std::vector<double> split = problem.run(Path::hopper_default, true);
+  EXPECT_TRUE(matches_reference(split, expected, dtype));
+  EXPECT_TRUE(exactly_equal(problem.run(Path::hopper_default, true), split));
+  EXPECT_TRUE(matches_reference(problem.run(Path::split_keys), expected, dtype));
+
+  const DeviceTensor q(kCuda, inputs.q), k(kCuda, inputs.k), v(kCuda, inputs.v);
+  const CandidateMap map = CandidateMap::build(inputs.cand_to_user.data(),
+                                               test_case.num_candidates, test_case.num_users, kCuda);
+  const auto out = DeviceTensor::poisoned(kCuda, dtype, inputs.q.shape);
+  const DeviceBuffer small(kCuda, bytes - 256);
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] {
+        attention(q.view(), k.view(), v.view(), map, out.view(), nullptr, std::nullopt, nullptr,
+                  {small.data(), small.bytes()});
+      },
+      {"workspace must hold", "attention_workspace_bytes"}, {&out.buffer()}));
 }
 
 // Logits of one sign per query row: every key is <= 0 and the query rows
@@ -371,7 +451,8 @@ TEST_F(AttentionSm90Test, LogitsOfOneSignPerRowMatchReference) {
       }
       const DeviceProblem problem(inputs, test_case.num_users, test_case.jagged());
       const std::vector<double> expected = inputs.expected();
-      for (const Path path : {Path::portable, Path::ping_pong, Path::cooperative_lookahead}) {
+      for (const Path path : {Path::portable, Path::ping_pong, Path::cooperative_lookahead,
+                              Path::split_keys}) {
         EXPECT_TRUE(matches_reference(problem.run(path), expected, dtype))
             << "path " << static_cast<int>(path);
       }

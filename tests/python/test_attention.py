@@ -88,3 +88,10 @@ def test_attention_zero_candidates():
     k = np.ones((2, 3, 1, 64), dtype=np.float16)
     out = ikbo.attention(q, k, k, np.zeros(0, dtype=np.int32))
     assert out.shape == q.shape
+
+
+def test_attention_workspace_is_none_on_the_cpu():
+    q = np.ones((3, 2, 1, 64), dtype=np.float32)
+    k = np.ones((1, 4096, 1, 64), dtype=np.float32)
+    candidate_map = ikbo.CandidateMap(np.zeros(3, dtype=np.int32), 1)
+    assert ikbo._C.attention_workspace_bytes(q, k, k, candidate_map) == 0

@@ -152,6 +152,33 @@ def test_jagged_attention_unsorted_with_empty_histories(dtype_name):
     assert (out[empty] == 0).all(), "a user without history must give zeros"
 
 
+@pytest.mark.parametrize("jagged", [False, True])
+def test_attention_of_few_query_tiles_splits_keys_on_hopper(jagged):
+    # One user, 8 candidates x 64 seeds x 2 heads: 8 query tiles (and the
+    # user's spare slots) for a whole GPU, so on Hopper GPUs ikbo.attention
+    # asks for a workspace and splits the 2048-4096 keys across CTAs.
+    dtype = torch.float16
+    generator = torch.Generator(device=DEVICE).manual_seed(5)
+    cand_to_user = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    q = randn(generator, (8, 64, 2, 128), dtype)
+    offsets = jagged_offsets((3000,)) if jagged else None
+    shape = (3000, 2, 128) if jagged else (1, 4096, 2, 128)
+    k, v = randn(generator, shape, dtype), randn(generator, shape, dtype)
+    kv_offsets = torch.from_numpy(offsets).to(DEVICE) if jagged else None
+    candidate_map = ikbo.CandidateMap(cand_to_user, 1)
+    state = ikbo.JaggedOffsets(kv_offsets, k.shape[0]) if jagged else None
+    workspace_bytes = ikbo._C.attention_workspace_bytes(q, k, v, candidate_map, state)
+    if torch.cuda.get_device_capability(DEVICE) == (9, 0):
+        assert workspace_bytes > 0, "a call of few query tiles must split its keys on Hopper"
+    out = ikbo.attention(q, k, v, candidate_map, kv_offsets=state)
+    again = ikbo.attention(q, k, v, candidate_map, kv_offsets=state)
+    expected = attention_reference_cuda(
+        q, k, v, cand_to_user, offsets.tolist() if jagged else None
+    )
+    assert_close_cuda(out, expected, "float16")
+    assert torch.equal(out, again), "two runs on identical inputs differ"
+
+
 def test_candidate_map_on_cuda():
     cand_to_user = torch.tensor([2, 0, 2, 2], dtype=torch.int32, device=DEVICE)
     candidate_map = ikbo.CandidateMap(cand_to_user, 3)

@@ -590,6 +590,10 @@ void run_attention(const AttentionArgs& args) {
 
 }  // namespace
 
+std::size_t attention_workspace_bytes(const AttentionArgs& args) {
+  return attention_sm90_eligible(args) ? attention_sm90_workspace_bytes(args) : 0;
+}
+
 void attention(const AttentionArgs& args) {
   if (attention_sm90_eligible(args)) {
     attention_sm90(args, attention_sm90_schedule());

@@ -32,6 +32,14 @@
 // grid (CTA c takes units c, c + grid, ...) runs a user's units side by
 // side, and its K/V comes from DRAM once and from L2 after.
 //
+// Split keys: a call whose query tiles would leave more than half of the
+// SMs idle (key_ranges), given a workspace, runs SplitKeysKernel instead:
+// its units are ranges of a tile's K/V blocks (unit tile * splits + range,
+// each range handled as if its keys were all of its user's), each storing
+// O unnormalized in fp32 with its rows' maxima and sums (store_partial);
+// a second launch (combine_split_keys) weighs the ranges by their maxima,
+// sums them in range order, normalizes and rounds into out.
+//
 // CTA = 3 warpgroups (pipeline.cuh): a producer, two consumers of 64 query
 // rows each. Shared memory, all tiles in the 128-byte swizzle (16-byte
 // chunk c of a 128-byte row r at chunk c ^ (r % 8), D split into column
@@ -202,6 +210,11 @@ struct AttentionSm90Params {
   int num_users, heads, n_seed, dense_seq_len;
   int num_units;
   float scale_log2;  // scale * log2(e)
+  // Split keys (kSplitKeys): each query tile's blocks in `splits` ranges,
+  // one unit each, whose partial results go to `partials` (the caller's
+  // workspace, laid out as combine_split_keys reads it).
+  float* partials;
+  int splits;
 };
 
 // One unit, decoded by the producer and by the loaders
@@ -216,7 +229,9 @@ struct AttentionUnit {
   int kv_length = 0;    // the user's keys
   int group_begin = 0;  // first entry of the user's group in candidates_by_user
   int first_row = 0;    // first of the tile's rows among the user's query rows
-  int kv_row = 0;       // jagged: the user's first K/V row
+  // The first K/V row of the unit's keys: jagged, in the tensor; dense, in
+  // the user's keys (0 unless the keys are split).
+  int kv_row = 0;
 };
 
 // threadIdx.x, read where it is used: a volatile read cannot be hoisted out
@@ -256,7 +271,7 @@ constexpr bool tail_out_of_loop(std::int64_t head_dim) { return head_dim == 128;
 struct MaskWhereKeysEnd {};
 
 template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
-          bool kLengthOrder = false, bool kWholeBlocks = false>
+          bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false>
 struct AttentionSm90Kernel {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kClusterSize = 1;
@@ -271,6 +286,8 @@ struct AttentionSm90Kernel {
   static constexpr bool kOwnsConsumerLoop = true;
   static constexpr bool kFixUpWarp = !kWholeBlocks;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
+  static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
+                "split keys run the cooperative schedule's general kernel");
   static_assert(!kWholeBlocks || tail_out_of_loop(kHeadDim));
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
   static constexpr int kProducerRegisters = 40;
@@ -422,10 +439,35 @@ struct AttentionSm90Kernel {
   __device__ static UnitInfo describe(const Params& params, int unit)
     requires(!kLengthOrder)
   {
-    const std::int64_t slot = unit / params.heads;
+    if constexpr (kSplitKeys) {
+      UnitInfo info = describe_tile(params, unit / params.splits);
+      keep_key_range(params, info, unit % params.splits);
+      return info;
+    } else {
+      return describe_tile(params, unit);
+    }
+  }
+
+  // The query tile `tile` (slot * H + head) with all of its user's keys.
+  __device__ static UnitInfo describe_tile(const Params& params, int tile) {
+    const std::int64_t slot = tile / params.heads;
     const int user = last_at_most(params.num_users, slot,
                                   [&](int u) { return first_slot(params, u); });
-    return describe_slot(params, unit % params.heads, user, slot - first_slot(params, user));
+    return describe_slot(params, tile % params.heads, user, slot - first_slot(params, user));
+  }
+
+  // Split keys: narrows a tile's unit to its key range `range` of
+  // params.splits, blocks [range * n / splits, (range + 1) * n / splits) of
+  // its n, as if they were all of its user's keys (an empty range: a unit
+  // without keys).
+  __device__ static void keep_key_range(const Params& params, UnitInfo& info, int range) {
+    if (info.blocks == 0) return;
+    const int first = range * info.blocks / params.splits;
+    const int last = (range + 1) * info.blocks / params.splits;
+    const int first_key = first * kBlockN;
+    info.kv_row += first_key;
+    info.kv_length = std::max(std::min(info.kv_length, last * kBlockN) - first_key, 0);
+    info.blocks = last - first;
   }
 
   // The last index i < n with first(i) <= slot (first never decreases,
@@ -514,8 +556,8 @@ struct AttentionSm90Kernel {
         ptx::tma_load(stage.tile[block], map, block * kSwizzleElements, info.head,
                       static_cast<std::int32_t>(info.kv_row + first_key), full);
       } else {
-        ptx::tma_load(stage.tile[block], map, block * kSwizzleElements, info.head, first_key,
-                      info.user, full);
+        ptx::tma_load(stage.tile[block], map, block * kSwizzleElements, info.head,
+                      (kSplitKeys ? info.kv_row : 0) + first_key, info.user, full);
       }
     }
   }
@@ -868,15 +910,13 @@ struct AttentionSm90Kernel {
           owed_row_sum[0] = registers.row_sum[0];
           owed_row_sum[1] = registers.row_sum[1];
         } else {
-          epilogue(params, shared, slot, consumer, registers.out_acc, registers.row_sum, false);
+          finish_unit(params, shared, slot, unit, consumer, registers, false);
           slots.release();
         }
       } else {
         // No keys (O = 0), or no query rows (an empty unit: nothing to store).
         settle();  // slots are released in order
-        if (info.rows > 0) {
-          epilogue(params, shared, slot, consumer, registers.out_acc, registers.row_sum, true);
-        }
+        if (info.rows > 0) finish_unit(params, shared, slot, unit, consumer, registers, true);
         slots.release();
       }
       steps.advance(num_k_steps(params, info));
@@ -1068,6 +1108,55 @@ struct AttentionSm90Kernel {
     }
   }
 
+  // The epilogue of a unit run without the look-ahead: its output, or with
+  // split keys its partial result.
+  __device__ __forceinline__ static void finish_unit(const Params& params, SharedStorage& shared,
+                                                     int slot, int unit, int consumer,
+                                                     const ConsumerRegisters& registers,
+                                                     bool no_keys) {
+    if constexpr (kSplitKeys) {
+      store_partial(params, shared.unit_meta[slot].info, unit, consumer, registers, no_keys);
+    } else {
+      epilogue(params, shared, slot, consumer, registers.out_acc, registers.row_sum, no_keys);
+    }
+  }
+
+  // Split keys: this warpgroup's 64 rows of the unit's partial result, O
+  // unnormalized in fp32 and each row's maximum (log2 domain, scaled; the
+  // reference of O and the sum) and sum, at the unit's place in
+  // params.partials (laid out as combine_split_keys reads it). A unit
+  // without keys stores the maximum -inf and no O.
+  __device__ __forceinline__ static void store_partial(const Params& params, const UnitInfo& info,
+                                                       int unit, int consumer,
+                                                       const ConsumerRegisters& registers,
+                                                       bool no_keys) {
+    const int thread = thread_index_here() % kWarpgroupThreads;
+    const int warp = thread / 32, lane = thread % 32;
+    float* const partial_out = params.partials + std::int64_t{unit} * kBlockM * kHeadDim;
+    float* const partial_stats = params.partials +
+                                 std::int64_t{params.num_units} * kBlockM * kHeadDim +
+                                 std::int64_t{unit} * kBlockM * 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = consumer * kWarpgroupRows + warp * 16 + half * 8 + lane / 4;
+      float sum = registers.row_sum[half];
+      sum += __shfl_xor_sync(kFullWarp, sum, 1);
+      sum += __shfl_xor_sync(kFullWarp, sum, 2);
+      if (row >= info.rows) continue;
+      if (lane % 4 == 0) {
+        *reinterpret_cast<float2*>(partial_stats + 2 * row) =
+            no_keys ? make_float2(-INFINITY, 0.0f) : make_float2(registers.row_max[half], sum);
+      }
+      if (no_keys) continue;
+#pragma unroll
+      for (int group = 0; group < kHeadDim / 8; ++group) {
+        *reinterpret_cast<float2*>(partial_out + row * kHeadDim + 8 * group + 2 * (lane % 4)) =
+            make_float2(registers.out_acc[4 * group + 2 * half],
+                        registers.out_acc[4 * group + 2 * half + 1]);
+      }
+    }
+  }
+
   // Normalizes, rounds and stores this warpgroup's 64 rows: stmatrix into
   // its own rows of the unit's Q slot (its QK^T products have retired; each
   // warp reads back only the 16 rows it wrote), then 16-byte chunks of the
@@ -1134,6 +1223,79 @@ struct AttentionSm90Kernel {
   }
 };
 
+// Split keys: the kernel whose units are key ranges of the query tiles, at
+// most kMaxKeyRanges per tile (key_ranges).
+constexpr int kMaxKeyRanges = 16;
+
+template <typename Element, int kHeadDim>
+using SplitKeysKernel = AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, true>;
+
+// Split keys, after SplitKeysKernel: each query row's partial results
+// combined in the order of its key ranges (so the bits repeat), normalized,
+// rounded and stored, one warp per row, kCombineRows rows (of one tile) per
+// block: lane r reads range r's row maximum and sum, the warp reduces them,
+// then each lane combines the columns l * D / 32 onward of every range.
+// The workspace: O [units][kBlockM][D] fp32, then
+// [units][kBlockM] (row maximum, row sum) pairs; a range without keys has
+// the maximum -inf (and no O).
+constexpr int kCombineRows = 8;
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kCombineRows * 32)
+    combine_split_keys(const __grid_constant__ AttentionSm90Params params) {
+  static_assert(kMaxKeyRanges <= 32, "a lane per key range");
+  constexpr int kColumns = kHeadDim / 32;
+  constexpr int kBlocksPerTile = kBlockM / kCombineRows;
+  const int tile = static_cast<int>(blockIdx.x) / kBlocksPerTile;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = static_cast<int>(blockIdx.x) % kBlocksPerTile * kCombineRows + warp;
+  const AttentionUnit info = SplitKeysKernel<Element, kHeadDim>::describe_tile(params, tile);
+  if (row >= info.rows) return;
+  const int user_row = info.first_row + row;
+  const std::int64_t candidate =
+      params.candidates_by_user[info.group_begin + user_row / params.n_seed];
+  const std::int64_t first_unit = std::int64_t{tile} * params.splits;
+  const float* const stats =
+      params.partials + std::int64_t{params.num_units} * kBlockM * kHeadDim;
+  float2 stat = make_float2(-INFINITY, 0.0f);
+  if (lane < params.splits) {
+    stat = *reinterpret_cast<const float2*>(stats + ((first_unit + lane) * kBlockM + row) * 2);
+  }
+  float reference = stat.x;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    reference = fmaxf(reference, __shfl_xor_sync(kFullWarp, reference, offset));
+  }
+  // No keys in any range: zeros, as the unsplit kernel gives.
+  const float weight = stat.x != -INFINITY ? exp2f(stat.x - reference) : 0.0f;
+  float sum = weight * stat.y;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullWarp, sum, offset);
+  float values[kColumns] = {};
+  for (int range = 0; range < params.splits; ++range) {
+    const float range_max = __shfl_sync(kFullWarp, stat.x, range);
+    const float range_weight = __shfl_sync(kFullWarp, weight, range);
+    if (range_max == -INFINITY) continue;
+    const float* partial =
+        params.partials + ((first_unit + range) * kBlockM + row) * kHeadDim + lane * kColumns;
+#pragma unroll
+    for (int i = 0; i < kColumns; i += 2) {
+      const float2 pair = *reinterpret_cast<const float2*>(partial + i);
+      values[i] += range_weight * pair.x;
+      values[i + 1] += range_weight * pair.y;
+    }
+  }
+  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const std::int64_t out_row =
+      (candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head;
+  auto* destination = reinterpret_cast<std::uint32_t*>(static_cast<Element*>(params.out) +
+                                                       out_row * kHeadDim + lane * kColumns);
+#pragma unroll
+  for (int i = 0; i < kColumns; i += 2) {
+    destination[i / 2] = ptx::pack_pair<Element>(values[i] * inverse, values[i + 1] * inverse);
+  }
+}
+
 // ---- device support, probed once per device ----
 
 struct DeviceSupport {
@@ -1196,6 +1358,7 @@ void for_each_schedule(Fn&& fn) {
     with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
                                      KeyWalk::length_ordered, fn);
   }
+  fn(SplitKeysKernel<Element, kHeadDim>{});
 }
 
 template <typename Fn>
@@ -1225,6 +1388,17 @@ DeviceSupport device_support(int ordinal) {
 }
 
 struct PathSwitch;  // tags this path's sm90::enabled_switch
+
+// Split keys: the fewest K/V blocks a key range may have. H100, B = 64
+// (one user), H = 2, D = 128, two ranges against none: 0.73x at S = 512
+// (2 blocks a range), 1.07x at 2048 (8), 1.46x at 8192 (32), the second
+// launch and the partial results' round trip costing ~6 us.
+constexpr int kMinRangeBlocks = 8;
+
+std::atomic<int>& min_range_blocks_switch() {
+  static std::atomic<int> blocks{kMinRangeBlocks};
+  return blocks;
+}
 
 std::atomic<AttentionSm90Schedule>& schedule_switch() {
   static std::atomic<AttentionSm90Schedule> schedule{[] {
@@ -1278,6 +1452,30 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
                               CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
+// Split keys: into how many key ranges each query tile goes (1: none). A
+// call whose tiles would leave more than half of the SMs idle gives each
+// tile as many ranges as keep the SMs busy, at most kMaxKeyRanges and at
+// most one per min_range_blocks_switch() blocks of its longest user.
+int key_ranges(const AttentionArgs& args, int multiprocessors) {
+  const std::int64_t tiles = unit_count(args);
+  if (tiles == 0 || 2 * tiles > multiprocessors) return 1;
+  const std::int64_t longest =
+      args.kv_offsets != nullptr ? args.kv_offsets->max_length : args.dense_seq_len;
+  const std::int64_t blocks = (longest + block_keys(args.head_dim) - 1) / block_keys(args.head_dim);
+  return static_cast<int>(std::clamp<std::int64_t>(
+      std::min<std::int64_t>(
+          {multiprocessors / tiles, blocks / min_range_blocks_switch().load(), kMaxKeyRanges}),
+      1, kMaxKeyRanges));
+}
+
+// Split keys: the workspace of `ranges` key ranges per tile (the layout
+// at combine_split_keys); 0 when there is one.
+std::size_t split_partials_bytes(const AttentionArgs& args, int ranges) {
+  if (ranges <= 1) return 0;
+  const auto units = static_cast<std::size_t>(unit_count(args) * ranges);
+  return units * kBlockM * static_cast<std::size_t>(args.head_dim + 2) * sizeof(float);
+}
+
 template <class Kernel>
 void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t stream) {
   const int grid = std::min(params.num_units, multiprocessors);
@@ -1297,6 +1495,7 @@ void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule sc
 template <typename Element>
 void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule,
                         int multiprocessors) {
+  const int ranges = key_ranges(args, multiprocessors);
   const CandidateMapDeviceView& map = args.map->device_view;
   AttentionSm90Params params{};
   params.keys = kv_map<Element>(args.k, args);
@@ -1312,8 +1511,24 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.dense_seq_len = static_cast<int>(args.dense_seq_len);
   params.num_units = static_cast<int>(unit_count(args));
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
+  params.splits = 1;
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
+  if (ranges > 1 && args.workspace != nullptr) {
+    // attention() has checked the workspace against split_partials_bytes.
+    const int tiles = params.num_units;
+    params.partials = static_cast<float*>(args.workspace);
+    params.splits = ranges;
+    params.num_units = tiles * ranges;
+    with_head_dim(args, [&](auto head_dim) {
+      constexpr int kHeadDim = decltype(head_dim)::value;
+      launch<SplitKeysKernel<Element, kHeadDim>>(params, multiprocessors, stream);
+      combine_split_keys<Element, kHeadDim>
+          <<<tiles * (kBlockM / kCombineRows), kCombineRows * 32, 0, stream>>>(params);
+      check_launch("attention_sm90 (combine_split_keys)");
+    });
+    return;
+  }
   KeyWalk keys = KeyWalk::any;
   if (args.kv_offsets == nullptr) {
     if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
@@ -1359,6 +1574,11 @@ bool attention_sm90_eligible(const AttentionArgs& args) {
   return attention_sm90_enabled() && attention_sm90_supported(args);
 }
 
+std::size_t attention_sm90_workspace_bytes(const AttentionArgs& args) {
+  return split_partials_bytes(args,
+                              key_ranges(args, device_support(args.map->device.index).multiprocessors));
+}
+
 void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule) {
   DeviceGuard guard(args.map->device.index);
   const int multiprocessors = device_support(args.map->device.index).multiprocessors;
@@ -1382,6 +1602,12 @@ AttentionSm90Schedule attention_sm90_schedule() { return schedule_switch().load(
 
 void set_attention_sm90_schedule(AttentionSm90Schedule schedule) {
   schedule_switch().store(schedule);
+}
+
+int attention_sm90_min_range_blocks() { return min_range_blocks_switch().load(); }
+
+void set_attention_sm90_min_range_blocks(int blocks) {
+  min_range_blocks_switch().store(std::max(blocks, 1));
 }
 
 }  // namespace ikbo::detail::cuda

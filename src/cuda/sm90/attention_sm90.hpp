@@ -9,6 +9,8 @@
 // mma.sync kernel otherwise. Plain C++ so that tests can include it.
 #pragma once
 
+#include <cstddef>
+
 #include "backend.hpp"
 
 namespace ikbo::detail::cuda {
@@ -51,6 +53,13 @@ enum class AttentionSm90Schedule {
   cooperative_lookahead
 };
 
+// Bytes of workspace the Hopper path can use for `args` (supported): nonzero
+// when the call's query tiles would leave more than half of the SMs idle.
+// Given that much workspace (args.workspace), each tile's keys are then
+// split into ranges run by CTAs of their own, whose partial results are
+// combined after (a second launch); without it the call runs unsplit.
+std::size_t attention_sm90_workspace_bytes(const AttentionArgs& args);
+
 // Runs attention on the Hopper path; `args` must be supported.
 void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule);
 
@@ -66,5 +75,11 @@ void set_attention_sm90_enabled(bool enabled);
 // cooperative, ping_pong_lookahead; read once).
 AttentionSm90Schedule attention_sm90_schedule();
 void set_attention_sm90_schedule(AttentionSm90Schedule schedule);
+
+// The fewest K/V blocks (128 keys at D <= 128, 64 at D = 256) a key range
+// of a split call may have: 8 (below it the second launch costs more than
+// the idle SMs). Tests lower it to split small problems.
+int attention_sm90_min_range_blocks();
+void set_attention_sm90_min_range_blocks(int blocks);
 
 }  // namespace ikbo::detail::cuda
