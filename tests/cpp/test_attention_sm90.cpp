@@ -14,7 +14,11 @@
 // exact zeros for users without history; bitwise-identical repeated runs
 // and bitwise-identical results of the four schedules (ping-pong,
 // cooperative, each with and without the look-ahead epilogue); outputs
-// poisoned (NaN) before every run. A second test puts +Inf into one user's
+// poisoned (NaN) before every run; and the same with the workspace that
+// attention_workspace_bytes asks for and key ranges down to one block, so
+// that every case with few query tiles splits its keys across CTAs (the
+// reference, zeros for empty histories, bitwise-repeated runs, and equal
+// bits to the unsplit run where nothing splits). A second test puts +Inf into one user's
 // K and V and checks that the neighbouring users' outputs stay exact; a
 // third gives each query row logits of a single sign (all negative in
 // half the rows, at both signs of the scale); a fourth scales the keys of
