@@ -18,9 +18,10 @@
 // attention_workspace_bytes asks for and key ranges down to one block, so
 // that every case with few query tiles splits its keys across CTAs (the
 // reference, zeros for empty histories, bitwise-repeated runs, and equal
-// bits to the unsplit run where nothing splits). A second test puts +Inf into one user's
-// K and V and checks that the neighbouring users' outputs stay exact; a
-// third gives each query row logits of a single sign (all negative in
+// bits to the unsplit run where nothing splits). A second test puts +Inf
+// into one user's K and V and checks that the neighbouring users' outputs
+// stay exact (split keys included); a third gives each query row logits
+// of a single sign (all negative in
 // half the rows, at both signs of the scale); a fourth scales the keys of
 // alternate users by 8 and 1/8, so that the first blocks' predicted maxima
 // (taken from the previous unit) miss both ways as well as hit.
@@ -417,8 +418,8 @@ TEST_F(AttentionSm90Test, SplitKeysWorkspaceIsOptionalAndChecked) {
   EXPECT_TRUE(matches_reference(problem.run(Path::split_keys), expected, dtype));
 
   const DeviceTensor q(kCuda, inputs.q), k(kCuda, inputs.k), v(kCuda, inputs.v);
-  const CandidateMap map = CandidateMap::build(inputs.cand_to_user.data(),
-                                               test_case.num_candidates, test_case.num_users, kCuda);
+  const CandidateMap map = CandidateMap::build(
+      inputs.cand_to_user.data(), test_case.num_candidates, test_case.num_users, kCuda);
   const auto out = DeviceTensor::poisoned(kCuda, dtype, inputs.q.shape);
   const DeviceBuffer small(kCuda, bytes - 256);
   EXPECT_TRUE(throws_invalid_argument(

@@ -1575,8 +1575,8 @@ bool attention_sm90_eligible(const AttentionArgs& args) {
 }
 
 std::size_t attention_sm90_workspace_bytes(const AttentionArgs& args) {
-  return split_partials_bytes(args,
-                              key_ranges(args, device_support(args.map->device.index).multiprocessors));
+  const int multiprocessors = device_support(args.map->device.index).multiprocessors;
+  return split_partials_bytes(args, key_ranges(args, multiprocessors));
 }
 
 void attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule) {
