@@ -212,10 +212,26 @@ struct AttentionSm90Params {
   float scale_log2;  // scale * log2(e)
   // Split keys (kSplitKeys): each query tile's blocks in `splits` ranges,
   // one unit each, whose partial results go to `partials` (the caller's
-  // workspace, laid out as combine_split_keys reads it).
+  // workspace, split_partial_out / split_partial_stat).
   float* partials;
   int splits;
 };
+
+// Split keys: the workspace holds, for each unit and query row of its tile,
+// O unnormalized in fp32 ([units][kBlockM][D]), then after all of those the
+// row's (maximum, sum) pairs ([units][kBlockM]); split_partials_bytes sizes it.
+template <int kHeadDim>
+__device__ __forceinline__ float* split_partial_out(const AttentionSm90Params& params,
+                                                    std::int64_t unit, int row) {
+  return params.partials + (unit * kBlockM + row) * kHeadDim;
+}
+
+template <int kHeadDim>
+__device__ __forceinline__ float2* split_partial_stat(const AttentionSm90Params& params,
+                                                      std::int64_t unit, int row) {
+  float* const stats = params.partials + std::int64_t{params.num_units} * kBlockM * kHeadDim;
+  return reinterpret_cast<float2*>(stats) + unit * kBlockM + row;
+}
 
 // One unit, decoded by the producer and by the loaders
 // (AttentionSm90Kernel::describe), which pass it on to the consumers. All
@@ -508,6 +524,15 @@ struct AttentionSm90Kernel {
     return info;
   }
 
+  // The row of q / out, as [B * n_seed * H][D], of row `row` of the unit's
+  // tile (row < info.rows).
+  __device__ static std::int64_t query_row(const Params& params, const UnitInfo& info, int row) {
+    const std::int64_t user_row = std::int64_t{info.first_row} + row;
+    const std::int64_t candidate =
+        params.candidates_by_user[info.group_begin + user_row / params.n_seed];
+    return (candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head;
+  }
+
   __device__ static int num_units(const Params& params) { return params.num_units; }
 
   // The k-steps of a unit's n blocks, in ring order: K_0, V_0, K_1, V_1,
@@ -576,12 +601,7 @@ struct AttentionSm90Kernel {
                                           int loader) {
     const int first = loader / 32 * kWarpgroupRows + loader % 32;
     const auto row_head = [&](int row) -> std::int32_t {
-      if (row >= info.rows) return -1;
-      const std::int64_t user_row = std::int64_t{info.first_row} + row;
-      const std::int64_t candidate =
-          params.candidates_by_user[info.group_begin + user_row / params.n_seed];
-      return static_cast<std::int32_t>(
-          (candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head);
+      return row < info.rows ? static_cast<std::int32_t>(query_row(params, info, row)) : -1;
     };
     return {row_head(first), row_head(first + 32)};
   }
@@ -1123,19 +1143,14 @@ struct AttentionSm90Kernel {
 
   // Split keys: this warpgroup's 64 rows of the unit's partial result, O
   // unnormalized in fp32 and each row's maximum (log2 domain, scaled; the
-  // reference of O and the sum) and sum, at the unit's place in
-  // params.partials (laid out as combine_split_keys reads it). A unit
-  // without keys stores the maximum -inf and no O.
+  // reference of O and the sum) and sum. A unit without keys stores the
+  // maximum -inf and no O.
   __device__ __forceinline__ static void store_partial(const Params& params, const UnitInfo& info,
                                                        int unit, int consumer,
                                                        const ConsumerRegisters& registers,
                                                        bool no_keys) {
     const int thread = thread_index_here() % kWarpgroupThreads;
     const int warp = thread / 32, lane = thread % 32;
-    float* const partial_out = params.partials + std::int64_t{unit} * kBlockM * kHeadDim;
-    float* const partial_stats = params.partials +
-                                 std::int64_t{params.num_units} * kBlockM * kHeadDim +
-                                 std::int64_t{unit} * kBlockM * 2;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = consumer * kWarpgroupRows + warp * 16 + half * 8 + lane / 4;
@@ -1144,13 +1159,14 @@ struct AttentionSm90Kernel {
       sum += __shfl_xor_sync(kFullWarp, sum, 2);
       if (row >= info.rows) continue;
       if (lane % 4 == 0) {
-        *reinterpret_cast<float2*>(partial_stats + 2 * row) =
+        *split_partial_stat<kHeadDim>(params, unit, row) =
             no_keys ? make_float2(-INFINITY, 0.0f) : make_float2(registers.row_max[half], sum);
       }
       if (no_keys) continue;
+      float* const partial_out = split_partial_out<kHeadDim>(params, unit, row);
 #pragma unroll
       for (int group = 0; group < kHeadDim / 8; ++group) {
-        *reinterpret_cast<float2*>(partial_out + row * kHeadDim + 8 * group + 2 * (lane % 4)) =
+        *reinterpret_cast<float2*>(partial_out + 8 * group + 2 * (lane % 4)) =
             make_float2(registers.out_acc[4 * group + 2 * half],
                         registers.out_acc[4 * group + 2 * half + 1]);
       }
@@ -1234,10 +1250,8 @@ using SplitKeysKernel = AttentionSm90Kernel<Element, kHeadDim, false, false, fal
 // combined in the order of its key ranges (so the bits repeat), normalized,
 // rounded and stored, one warp per row, kCombineRows rows (of one tile) per
 // block: lane r reads range r's row maximum and sum, the warp reduces them,
-// then each lane combines the columns l * D / 32 onward of every range.
-// The workspace: O [units][kBlockM][D] fp32, then
-// [units][kBlockM] (row maximum, row sum) pairs; a range without keys has
-// the maximum -inf (and no O).
+// then each lane combines the columns l * D / 32 onward of every range (a
+// range without keys has the maximum -inf and no O).
 constexpr int kCombineRows = 8;
 
 template <typename Element, int kHeadDim>
@@ -1249,18 +1263,13 @@ __global__ void __launch_bounds__(kCombineRows * 32)
   const int tile = static_cast<int>(blockIdx.x) / kBlocksPerTile;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int row = static_cast<int>(blockIdx.x) % kBlocksPerTile * kCombineRows + warp;
-  const AttentionUnit info = SplitKeysKernel<Element, kHeadDim>::describe_tile(params, tile);
+  using Kernel = SplitKeysKernel<Element, kHeadDim>;
+  const AttentionUnit info = Kernel::describe_tile(params, tile);
   if (row >= info.rows) return;
-  const int user_row = info.first_row + row;
-  const std::int64_t candidate =
-      params.candidates_by_user[info.group_begin + user_row / params.n_seed];
+  const std::int64_t out_row = Kernel::query_row(params, info, row);
   const std::int64_t first_unit = std::int64_t{tile} * params.splits;
-  const float* const stats =
-      params.partials + std::int64_t{params.num_units} * kBlockM * kHeadDim;
   float2 stat = make_float2(-INFINITY, 0.0f);
-  if (lane < params.splits) {
-    stat = *reinterpret_cast<const float2*>(stats + ((first_unit + lane) * kBlockM + row) * 2);
-  }
+  if (lane < params.splits) stat = *split_partial_stat<kHeadDim>(params, first_unit + lane, row);
   float reference = stat.x;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -1277,7 +1286,7 @@ __global__ void __launch_bounds__(kCombineRows * 32)
     const float range_weight = __shfl_sync(kFullWarp, weight, range);
     if (range_max == -INFINITY) continue;
     const float* partial =
-        params.partials + ((first_unit + range) * kBlockM + row) * kHeadDim + lane * kColumns;
+        split_partial_out<kHeadDim>(params, first_unit + range, row) + lane * kColumns;
 #pragma unroll
     for (int i = 0; i < kColumns; i += 2) {
       const float2 pair = *reinterpret_cast<const float2*>(partial + i);
@@ -1286,8 +1295,6 @@ __global__ void __launch_bounds__(kCombineRows * 32)
     }
   }
   const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-  const std::int64_t out_row =
-      (candidate * params.n_seed + user_row % params.n_seed) * params.heads + info.head;
   auto* destination = reinterpret_cast<std::uint32_t*>(static_cast<Element*>(params.out) +
                                                        out_row * kHeadDim + lane * kColumns);
 #pragma unroll
@@ -1468,8 +1475,8 @@ int key_ranges(const AttentionArgs& args, int multiprocessors) {
       1, kMaxKeyRanges));
 }
 
-// Split keys: the workspace of `ranges` key ranges per tile (the layout
-// at combine_split_keys); 0 when there is one.
+// Split keys: the workspace of `ranges` key ranges per tile (the layout at
+// split_partial_out); 0 when there is one.
 std::size_t split_partials_bytes(const AttentionArgs& args, int ranges) {
   if (ranges <= 1) return 0;
   const auto units = static_cast<std::size_t>(unit_count(args) * ranges);
@@ -1511,7 +1518,6 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.dense_seq_len = static_cast<int>(args.dense_seq_len);
   params.num_units = static_cast<int>(unit_count(args));
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
-  params.splits = 1;
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
   if (ranges > 1 && args.workspace != nullptr) {
