@@ -3,6 +3,7 @@ float64 references, the caller's current stream, device checks, and CUDA
 graph capture (the ops neither allocate nor synchronize)."""
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -284,6 +285,24 @@ def test_cupy_arrays():
     assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
     cupy.cuda.get_current_stream().synchronize()
     assert_close(cupy.asnumpy(out), lce_reference(*host, cand_to_user), "float16")
+
+
+def test_bench_timer_times_the_gpu_not_the_host():
+    """A run whose host side takes 60 us before it launches a ~5 us kernel:
+    each run waits behind the timer's GPU lead, so the events see the
+    kernel, not the host's time (without the lead: >= 60 us)."""
+    from ikbo import bench
+
+    timer = bench.Timer(DEVICE, reps=7, warmup=2, settle_ms=0)
+    a = torch.ones(1024, device=DEVICE)
+
+    def slow_host_small_kernel():
+        deadline = time.perf_counter() + 60e-6
+        while time.perf_counter() < deadline:
+            pass
+        a.add_(1.0)
+
+    assert timer.median_ms(slow_host_small_kernel) < 0.03
 
 
 def test_bench_timer_samples_the_sm_clock():
