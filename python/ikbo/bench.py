@@ -320,14 +320,25 @@ class Timer:
     clock is sampled during the timed runs (``last_clocks``). On the CPU runs
     are timed with ``perf_counter``."""
 
-    def __init__(self, device: torch.device, reps: int, warmup: int, settle_ms: int = 2000) -> None:
-        if reps < 1 or warmup < 0 or settle_ms < 0:
+    def __init__(
+        self,
+        device: torch.device,
+        reps: int,
+        warmup: int,
+        settle_ms: int = 2000,
+        lead_cycles: int | None = None,
+    ) -> None:
+        """``lead_cycles``: the GPU wait queued before each run (default
+        ``LEAD_CYCLES``; 0 times what the host adds too, e.g. an eager model's
+        end-to-end latency)."""
+        lead_cycles = self.LEAD_CYCLES if lead_cycles is None else lead_cycles
+        if reps < 1 or warmup < 0 or settle_ms < 0 or lead_cycles < 0:
             raise ValueError(
-                "reps must be >= 1, warmup and settle_ms >= 0, "
-                f"got {reps}, {warmup} and {settle_ms}"
+                "reps must be >= 1 and warmup, settle_ms and lead_cycles >= 0, got "
+                f"reps={reps}, warmup={warmup}, settle_ms={settle_ms}, lead_cycles={lead_cycles}"
             )
         self.device, self.reps, self.warmup = device, reps, warmup
-        self.settle_ms = settle_ms
+        self.settle_ms, self.lead_cycles = settle_ms, lead_cycles
         self._l2_flush = None
         self._clocks: ClockMonitor | None = None
         self.last_clocks: dict | None = None
@@ -367,9 +378,11 @@ class Timer:
     def method(self) -> str:
         if self._l2_flush is None:
             return "time.perf_counter"
+        if self.lead_cycles == 0:
+            return "CUDA events, L2 flushed before every run"
         return (
             "CUDA events, L2 flushed before every run, each run queued behind a "
-            f"{self.LEAD_CYCLES}-cycle GPU wait so that the host's time is not timed"
+            f"{self.lead_cycles}-cycle GPU wait so that the host's time is not timed"
         )
 
     def samples_ms(
@@ -400,7 +413,8 @@ class Timer:
         try:
             for _ in range(self.reps):
                 args = arguments()
-                torch.cuda._sleep(self.LEAD_CYCLES)
+                if self.lead_cycles > 0:
+                    torch.cuda._sleep(self.lead_cycles)
                 self._l2_flush.zero_()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)

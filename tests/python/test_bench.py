@@ -152,8 +152,10 @@ def test_cpu_timer_samples_no_clock():
     timer = bench.Timer(torch.device("cpu"), reps=2, warmup=0)
     assert len(timer.samples_ms(lambda: None)) == 2
     assert timer.clock_sampling is None and timer.last_clocks is None
-    with pytest.raises(ValueError, match="settle_ms >= 0"):
+    with pytest.raises(ValueError, match="settle_ms=-1"):
         bench.Timer(torch.device("cpu"), reps=2, warmup=0, settle_ms=-1)
+    with pytest.raises(ValueError, match="lead_cycles=-1"):
+        bench.Timer(torch.device("cpu"), reps=2, warmup=0, lead_cycles=-1)
 
 
 def test_wrong_output_is_reported_not_timed():
