@@ -313,9 +313,11 @@ class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data; before the warm-up the timer idles
-    ``ClockMonitor.MIN_IDLE_MS`` and then until the driver reports no power or
-    thermal limit on the clock (at most ``settle_ms``), so each variant starts
+    the previous run's data, and behind a short GPU wait (``lead_cycles``)
+    that keeps the host's enqueueing out of the events; before the warm-up
+    the timer idles ``ClockMonitor.MIN_IDLE_MS`` and then until the driver
+    reports no power or thermal limit on the clock (at most ``settle_ms``),
+    so each variant starts
     from the same state rather than from what the one before it left; the SM
     clock is sampled during the timed runs (``last_clocks``). On the CPU runs
     are timed with ``perf_counter``."""

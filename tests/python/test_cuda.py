@@ -290,7 +290,8 @@ def test_cupy_arrays():
 def test_bench_timer_times_the_gpu_not_the_host():
     """A run whose host side takes 60 us before it launches a ~5 us kernel:
     each run waits behind the timer's GPU lead, so the events see the
-    kernel, not the host's time (without the lead: >= 60 us)."""
+    kernel, not the host's time (without the lead they would span the busy
+    wait, less what the L2 flush before it overlaps)."""
     from ikbo import bench
 
     timer = bench.Timer(DEVICE, reps=7, warmup=2, settle_ms=0)
