@@ -317,10 +317,9 @@ class Timer:
     that keeps the host's enqueueing out of the events; before the warm-up
     the timer idles ``ClockMonitor.MIN_IDLE_MS`` and then until the driver
     reports no power or thermal limit on the clock (at most ``settle_ms``),
-    so each variant starts
-    from the same state rather than from what the one before it left; the SM
-    clock is sampled during the timed runs (``last_clocks``). On the CPU runs
-    are timed with ``perf_counter``."""
+    so each variant starts from the same state rather than from what the one
+    before it left; the SM clock is sampled during the timed runs
+    (``last_clocks``). On the CPU runs are timed with ``perf_counter``."""
 
     def __init__(
         self,
