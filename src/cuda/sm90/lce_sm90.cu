@@ -18,11 +18,11 @@
 // clusters and never wait for a candidate unit: every flag is set while the
 // candidate units' main loops run, and the user GEMM costs no launch or
 // pipeline drain. When every user tile fits in the first round twice over,
-// each tile's k-steps are split between two neighbouring user units (the
-// first stores its sum, the second adds its own with a bulk reduction once
-// the first has), so that P is ready before the first round's candidate
-// units finish their shorter main loops (user_splits). (A flag counter per
-// P tile, zeroed by a memset before the launch.)
+// each tile's k-steps are split between two neighbouring user units (each
+// adds its sum into P, zeroed before the launch, with a bulk reduction), so
+// that P is ready before the first round's candidate units finish their
+// shorter main loops (user_splits). (A flag counter per P tile, zeroed by a
+// memset before the launch.)
 //
 // Orientation. Each GEMM runs transposed, out[b]^T = e[b]^T @ w^T: wgmma's
 // M side (64 rows per warpgroup) walks N, its N side walks the M rows of
@@ -430,19 +430,16 @@ struct LceSm90Kernel {
   __device__ static void store_held(const Params& params, const Tile& tile, int,
                                     const Held& held) {
     if (tile.user) {
-      // P, one bulk copy per step image; flagged once it is written. Part
-      // 0 stores its sum, each later part adds its own once the parts
-      // before it have (a fixed order: the same bits every run).
+      // P, one bulk copy per step image; flagged once it is written. A
+      // split tile's two parts each add their sum to P, zeroed before the
+      // launch, as soon as they have it: two addends into zero give the
+      // same bits in either order.
       int* ready = params.user_ready + tile.partial_tile;
-      if (tile.part > 0) {
-        ptx::wait_ready(ready, tile.part);
-        ptx::fence_async_global();
-      }
 #pragma unroll
       for (int step = 0; step < kPartialSteps; ++step) {
         float* destination = partial_image(params, tile, step);
         const auto* source = reinterpret_cast<const float*>(&held[step]);
-        if (tile.part == 0) {
+        if (params.user_splits == 1) {
           ptx::bulk_store(destination, source, partial_step_bytes(step));
         } else {
           ptx::bulk_reduce_add(destination, source, partial_step_bytes(step));
@@ -456,7 +453,7 @@ struct LceSm90Kernel {
       ptx::bulk_wait_group_read<0>();
       held.release(2);
       ptx::bulk_wait_group<0>();
-      ptx::fence_async_global();  // the next part and the candidate units use TMA after the flag
+      ptx::fence_async_global();  // the candidate units read P with TMA after the flag
       ptx::signal_ready(ready);
       return;
     }
@@ -570,12 +567,14 @@ CUtensorMap paired_map(const void* base, std::int64_t n, std::int64_t rows, std:
 // takes Ku, and Ku > Kc is the common case (the reference shape: 19 against
 // 14). So when every P tile starts in the first round of clusters, the
 // first round's candidate units would wait for the rest of a user unit.
-// Two halves of Ku each end sooner, and cost one more flag wait and P
-// written twice. Each part must hold a user unit's kPartialSteps held
-// stages.
+// Two halves of Ku each end sooner, and cost P zeroed before the launch
+// and added to twice. Each part must hold a user unit's kPartialSteps held
+// stages. No more than two: a third addend would make P's bits depend on
+// the order in which the parts add.
+constexpr int kSplits = 2;
+
 template <typename Kernel>
 int user_splits(int num_user_tiles, int user_k_steps, int max_clusters) {
-  constexpr int kSplits = 2;
   const bool fits = std::int64_t{kSplits} * num_user_tiles <= max_clusters &&
                     user_k_steps >= kSplits * Kernel::kPartialSteps;
   return fits ? kSplits : 1;
@@ -619,7 +618,13 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.num_user_units = num_user_tiles * params.user_splits;
   const int num_candidate_units = static_cast<int>(args.num_candidates * grid.units_per_item());
 
-  IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
+  // The flags; and P where split tiles add into it (it precedes them).
+  if (params.user_splits > 1) {
+    IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_partials, 0,
+                                    layout.partial_bytes + layout.ready_bytes, stream));
+  } else {
+    IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
+  }
   const auto launch = [&](int first_unit, int num_units) {
     if (num_units == 0) return;
     params.first_unit = first_unit;
