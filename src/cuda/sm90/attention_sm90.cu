@@ -1469,10 +1469,10 @@ int key_ranges(const AttentionArgs& args, int multiprocessors) {
   const std::int64_t longest =
       args.kv_offsets != nullptr ? args.kv_offsets->max_length : args.dense_seq_len;
   const std::int64_t blocks = (longest + block_keys(args.head_dim) - 1) / block_keys(args.head_dim);
-  return static_cast<int>(std::clamp<std::int64_t>(
+  return static_cast<int>(std::max<std::int64_t>(
       std::min<std::int64_t>(
           {multiprocessors / tiles, blocks / min_range_blocks_switch().load(), kMaxKeyRanges}),
-      1, kMaxKeyRanges));
+      1));
 }
 
 // Split keys: the workspace of `ranges` key ranges per tile (the layout at
