@@ -34,6 +34,9 @@ struct Record {
   // Measured records only. TFLOP/s and GB/s use the same useful work and
   // minimum traffic for every variant of a shape, so they compare directly.
   double median_ms = 0;
+  // The fastest and slowest timed runs: a wide spread (a series that fell
+  // into two modes, or was disturbed) makes the median worth less.
+  double min_ms = 0, max_ms = 0;
   double tflops = 0;
   double gbps = 0;
   double floor_ms = 0;

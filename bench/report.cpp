@@ -143,6 +143,8 @@ JsonObject record_json(const Record& record) {
     return json;
   }
   json.add("median_ms", record.median_ms)
+      .add("min_ms", record.min_ms)
+      .add("max_ms", record.max_ms)
       .add("tflops", record.tflops)
       .add("gbps", record.gbps)
       .add("floor_ms", record.floor_ms)

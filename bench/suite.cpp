@@ -75,7 +75,11 @@ void ShapeRecords::measure(std::string_view variant, const std::function<void()>
       add(std::move(record));
       return;
     }
-    record.median_ms = context_.timer.median_ms(op, context_.options.warmup, context_.options.reps);
+    const RunSpread spread =
+        context_.timer.spread_ms(op, context_.options.warmup, context_.options.reps);
+    record.median_ms = spread.median_ms;
+    record.min_ms = spread.min_ms;
+    record.max_ms = spread.max_ms;
   } catch (const std::exception& error) {
     record.outcome = Outcome::failed;
     record.note = error.what();

@@ -77,11 +77,12 @@ std::string Timer::clock_sampling() const {
   return "";
 }
 
-double Timer::median_ms(const std::function<void()>& op, int warmup, int reps) const {
+RunSpread Timer::spread_ms(const std::function<void()>& op, int warmup, int reps) const {
   std::vector<double> samples = run_ms(op, warmup, reps);
   std::sort(samples.begin(), samples.end());
   const std::size_t middle = samples.size() / 2;
-  return samples.size() % 2 ? samples[middle] : 0.5 * (samples[middle - 1] + samples[middle]);
+  return {samples.size() % 2 ? samples[middle] : 0.5 * (samples[middle - 1] + samples[middle]),
+          samples.front(), samples.back()};
 }
 
 double Timer::fastest_ms(const std::function<void()>& op, int warmup, int reps) const {

@@ -6,7 +6,8 @@
 // CPU: std::chrono::steady_clock around each (synchronous) run; nothing is
 // flushed, the inputs are far larger than the caches anyway.
 // Both: `warmup` untimed runs first, then `reps` timed runs. Records report
-// the median run; ceilings the fastest (the best the platform reached).
+// the median run, with the fastest and slowest beside it (how far the runs
+// spread); ceilings the fastest (the best the platform reached).
 // GPU: before the warm-up, the timer idles until the driver reports no
 // power or thermal limit on the clock (at most settle_ms; clock_monitor.hpp),
 // so that each variant starts from the same state rather than from what the
@@ -25,13 +26,18 @@
 
 namespace ikbo::bench {
 
+// The median, fastest and slowest of a series of timed runs.
+struct RunSpread {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+};
+
 class Timer {
  public:
   Timer(Device device, Stream stream, int settle_ms);
 
   // Milliseconds of each timed run, in run order.
   std::vector<double> run_ms(const std::function<void()>& op, int warmup, int reps) const;
-  double median_ms(const std::function<void()>& op, int warmup, int reps) const;
+  RunSpread spread_ms(const std::function<void()>& op, int warmup, int reps) const;
   double fastest_ms(const std::function<void()>& op, int warmup, int reps) const;
   // Runs `op` once, then once more between cudaProfilerStart and
   // cudaProfilerStop (CUDA devices only).

@@ -85,7 +85,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -309,6 +309,14 @@ class ClockMonitor:
         }
 
 
+class Spread(NamedTuple):
+    """The median, fastest and slowest of a series of timed runs, in ms."""
+
+    median: float
+    min: float
+    max: float
+
+
 class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
@@ -430,10 +438,17 @@ class Timer:
                 self.last_clocks["settled_ms"] = settled_ms
         return [start.elapsed_time(end) for start, end in events]
 
+    def spread_ms(
+        self, run: Callable[..., Any], before_each: Callable[[], tuple] | None = None
+    ) -> Spread:
+        """The median, fastest and slowest of the timed runs."""
+        samples = self.samples_ms(run, before_each)
+        return Spread(statistics.median(samples), min(samples), max(samples))
+
     def median_ms(
         self, run: Callable[..., Any], before_each: Callable[[], tuple] | None = None
     ) -> float:
-        return statistics.median(self.samples_ms(run, before_each))
+        return self.spread_ms(run, before_each).median
 
 
 def device_name(device: torch.device) -> str:
@@ -1132,9 +1147,9 @@ def _check_and_time(
     reference: tuple[str, torch.Tensor] | None,
     tolerance: float,
     timer: Timer,
-) -> tuple[float, torch.Tensor | None]:
-    """(median ms of ``variant``, its output in the common layout when there
-    is no ``reference`` (name, output) yet to check it against)."""
+) -> tuple[Spread, torch.Tensor | None]:
+    """(the run times of ``variant``, its output in the common layout when
+    there is no ``reference`` (name, output) yet to check it against)."""
     prepared = variant.prepare(workload)
     with prepared.context():
         output = prepared.comparable(prepared.run())
@@ -1146,7 +1161,7 @@ def _check_and_time(
                     f"output differs from {name}'s by relative error {error:.2e} > {tolerance:.0e}"
                 )
             output = None
-        return timer.median_ms(prepared.run), output
+        return timer.spread_ms(prepared.run), output
 
 
 def run_suite(
@@ -1171,7 +1186,7 @@ def run_suite(
             head = {"suite": suite.name, "variant": variant.name}
             failure = None
             try:
-                median_ms, output = _check_and_time(
+                spread, output = _check_and_time(
                     variant, workload, reference, CHECK_TOLERANCE[dtype], timer
                 )
             except torch.OutOfMemoryError as error:
@@ -1192,6 +1207,7 @@ def run_suite(
             if output is not None:
                 reference = (variant.name, output)
             clocks = timer.last_clocks or {}
+            median_ms = spread.median
             note = f"{suite.name} {shape.label()}: {variant.name} {median_ms:.3f} ms"
             if clocks:
                 limits = "".join(f", {limit}" for limit in clocks["clock_limits"])
@@ -1204,6 +1220,8 @@ def run_suite(
                     **head,
                     **shape_fields,
                     "median_ms": median_ms,
+                    "min_ms": spread.min,
+                    "max_ms": spread.max,
                     "tflops": flops / (median_ms * 1e9),
                     "gbps": bytes_moved / (median_ms * 1e6),
                     "floor_ms": floor_ms,

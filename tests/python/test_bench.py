@@ -4,6 +4,7 @@ drawn or skipped with a reason; plus the synthetic requests and the output
 check that rejects a wrong variant."""
 
 import json
+import time
 
 import pytest
 
@@ -46,6 +47,7 @@ def test_all_suites_end_to_end(tmp_path, capsys):
         assert record["dtype"] == "fp32" and record["ratio"] == 4
         for key in ("median_ms", "tflops", "gbps", "floor_ms", "pct_of_floor"):
             assert record[key] > 0, key
+        assert 0 < record["min_ms"] <= record["median_ms"] <= record["max_ms"]
         assert record["speedup_vs_broadcast"] > 0 and record["speedup_vs_broadcast_copy"] > 0
     assert {(r["B"], r["U"], r["M"], r["N"], r["Ku"], r["Kc"]) for r in lce} == {
         (16, 4, 5, 8, 6, 10),
@@ -106,6 +108,7 @@ def test_linear_suite_end_to_end(tmp_path, capsys):
         assert record["tflops"] == pytest.approx(flops / (record["median_ms"] * 1e9))
         for key in ("median_ms", "gbps", "floor_ms", "pct_of_floor"):
             assert record[key] > 0, key
+        assert 0 < record["min_ms"] <= record["median_ms"] <= record["max_ms"]
         assert record["speedup_vs_broadcast"] > 0 and record["speedup_vs_broadcast_copy"] > 0
 
 
@@ -151,6 +154,8 @@ def test_clock_limit_names():
 def test_cpu_timer_samples_no_clock():
     timer = bench.Timer(torch.device("cpu"), reps=2, warmup=0)
     assert len(timer.samples_ms(lambda: None)) == 2
+    spread = timer.spread_ms(lambda: time.sleep(0.002))
+    assert 2 <= spread.min <= spread.median <= spread.max
     assert timer.clock_sampling is None and timer.last_clocks is None
     with pytest.raises(ValueError, match="settle_ms=-1"):
         bench.Timer(torch.device("cpu"), reps=2, warmup=0, settle_ms=-1)
