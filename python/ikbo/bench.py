@@ -321,8 +321,9 @@ class Timer:
     """Times a callable: the median (or fastest) of ``reps`` runs after
     ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data, and behind a short GPU wait (``lead_cycles``)
-    that keeps the host's enqueueing out of the events; before the warm-up
+    the previous run's data, and behind a short GPU wait (``lead_cycles``;
+    with a longer one before the first run, ``HEAD_START_CYCLES``) that
+    keeps the host's enqueueing out of the events; before the warm-up
     the timer idles ``ClockMonitor.MIN_IDLE_MS`` and then until the driver
     reports no power or thermal limit on the clock (at most ``settle_ms``),
     so each variant starts from the same state rather than from what the one
@@ -382,6 +383,16 @@ class Timer:
     # keeps the host ahead of the GPU, and is short next to the idle a
     # heavy op's runs get anyway (the power state, ClockMonitor).
     LEAD_CYCLES = 200_000
+    # With a lead, the GPU also gets a head start of this many cycles (~20 ms)
+    # before the first timed run. The host queues the runs without waiting for
+    # them, so it can pause while it enqueues them (the interpreter switching to
+    # the clock sampler's thread, a garbage collection). Such a pause drains
+    # the GPU's queue unless the queue holds more than the pause, and a run
+    # that then starts before its op is enqueued times the pause. The lead of
+    # each run covers only the host's usual time per run. In session 25,
+    # without the head start, the linear suite read medians of 0.045-0.053 ms
+    # whose fastest runs took 0.030, with slowest runs up to 0.39 ms.
+    HEAD_START_CYCLES = 40_000_000
 
     @property
     def method(self) -> str:
@@ -391,7 +402,8 @@ class Timer:
             return "CUDA events, L2 flushed before every run"
         return (
             "CUDA events, L2 flushed before every run, each run queued behind a "
-            f"{self.lead_cycles}-cycle GPU wait so that the host's time is not timed"
+            f"{self.lead_cycles}-cycle GPU wait (the first run behind {self.HEAD_START_CYCLES} "
+            "more) so that the host's time is not timed"
         )
 
     def samples_ms(
@@ -420,6 +432,8 @@ class Timer:
         events = []
         self._clocks.start()
         try:
+            if self.lead_cycles > 0:
+                torch.cuda._sleep(self.HEAD_START_CYCLES)
             for _ in range(self.reps):
                 args = arguments()
                 if self.lead_cycles > 0:

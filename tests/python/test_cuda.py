@@ -306,6 +306,28 @@ def test_bench_timer_times_the_gpu_not_the_host():
     assert timer.median_ms(slow_host_small_kernel) < 0.03
 
 
+def test_bench_timer_outlasts_a_pause_of_the_host():
+    """One run's host side pauses for 3 ms (as when the interpreter hands the
+    GIL to another thread) before a ~5 us kernel: the GPU's head start keeps
+    the queue from draining, so no run times the pause."""
+    from ikbo import bench
+
+    timer = bench.Timer(DEVICE, reps=7, warmup=2, settle_ms=0)
+    a = torch.ones(1024, device=DEVICE)
+    calls = 0
+
+    def one_pause():
+        nonlocal calls
+        calls += 1
+        if calls == 5:  # the third timed run
+            deadline = time.perf_counter() + 3e-3
+            while time.perf_counter() < deadline:
+                pass
+        a.add_(1.0)
+
+    assert timer.spread_ms(one_pause).max < 0.03
+
+
 def test_bench_timer_samples_the_sm_clock():
     from ikbo import bench
 
