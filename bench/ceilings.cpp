@@ -46,13 +46,13 @@ Ceilings measure_cpu(const Timer& timer) {
   fill_uniform(a, DType::f32, size * size, 1.0f, kLeftOperandSeed, nullptr);
   fill_uniform(b, DType::f32, size * size, 1.0f, kRightOperandSeed, nullptr);
   const int n = static_cast<int>(size);
-  const double gemm_ms = timer.fastest_ms(
+  const double gemm_ms = timer.spread_ms(
       [&] {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f,
                     static_cast<const float*>(a.data()), n, static_cast<const float*>(b.data()), n,
                     0.0f, static_cast<float*>(c.data()), n);
       },
-      1, 5);
+      1, 5).min_ms;
   ceilings.matmul_tflops = gemm_tflops(size, gemm_ms);
   ceilings.matmul_method = "OpenBLAS sgemm " + std::to_string(size) + "^3";
 
@@ -65,7 +65,7 @@ Ceilings measure_cpu(const Timer& timer) {
   std::memset(source.data(), 1, kCpuCopyBytes);
   const std::size_t slice =
       (kCpuCopyBytes + static_cast<std::size_t>(threads) - 1) / static_cast<std::size_t>(threads);
-  const double copy_ms = timer.fastest_ms(
+  const double copy_ms = timer.spread_ms(
       [&] {
 #pragma omp parallel for schedule(static, 1)
         for (int thread = 0; thread < threads; ++thread) {
@@ -76,7 +76,7 @@ Ceilings measure_cpu(const Timer& timer) {
                       static_cast<const char*>(source.data()) + begin, end - begin);
         }
       },
-      1, 10);
+      1, 10).min_ms;
   ceilings.bandwidth_gbps = copy_gbps(kCpuCopyBytes, copy_ms);
   ceilings.bandwidth_method = "memcpy " + format_bytes(kCpuCopyBytes) + " over " +
                               std::to_string(threads) + " threads, read + write";
@@ -121,25 +121,25 @@ Ceilings measure_cuda(const Timer& timer, DType dtype) {
   const cudaDataType_t type = cuda_data_type(dtype);
   const float alpha = 1.0f, beta = 0.0f;
   const int n = static_cast<int>(size);
-  const double gemm_ms = timer.fastest_ms(
+  const double gemm_ms = timer.spread_ms(
       [&] {
         // CUBLAS_COMPUTE_32F: fp32 accumulation like the library, and no TF32 for fp32.
         IKBO_BENCH_CHECK(cublasGemmEx(cublas.get(), CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha,
                                       a.data(), type, n, b.data(), type, n, &beta, c.data(), type,
                                       n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       },
-      5, 20);
+      5, 20).min_ms;
   ceilings.matmul_tflops = gemm_tflops(size, gemm_ms);
   ceilings.matmul_method = "cuBLAS " + std::string(dtype_label(dtype)) + " GEMM " +
                            std::to_string(size) + "^3, fp32 accumulation";
 
   Buffer source(kGpuCopyBytes, timer.device()), destination(kGpuCopyBytes, timer.device());
-  const double copy_ms = timer.fastest_ms(
+  const double copy_ms = timer.spread_ms(
       [&] {
         IKBO_BENCH_CHECK(cudaMemcpyAsync(destination.data(), source.data(), kGpuCopyBytes,
                                          cudaMemcpyDeviceToDevice, stream));
       },
-      3, 20);
+      3, 20).min_ms;
   ceilings.bandwidth_gbps = copy_gbps(kGpuCopyBytes, copy_ms);
   ceilings.bandwidth_method =
       "cudaMemcpy device to device " + format_bytes(kGpuCopyBytes) + ", read + write";

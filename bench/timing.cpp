@@ -85,11 +85,6 @@ RunSpread Timer::spread_ms(const std::function<void()>& op, int warmup, int reps
           samples.front(), samples.back()};
 }
 
-double Timer::fastest_ms(const std::function<void()>& op, int warmup, int reps) const {
-  const std::vector<double> samples = run_ms(op, warmup, reps);
-  return *std::min_element(samples.begin(), samples.end());
-}
-
 void Timer::profile(const std::function<void()>& op) const {
 #ifdef IKBO_WITH_CUDA
   if (device_.is_cuda()) {

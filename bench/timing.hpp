@@ -26,7 +26,8 @@
 
 namespace ikbo::bench {
 
-// The median, fastest and slowest of a series of timed runs.
+// The median, fastest and slowest of a series of timed runs (records report
+// the median, ceilings the fastest).
 struct RunSpread {
   double median_ms = 0, min_ms = 0, max_ms = 0;
 };
@@ -38,7 +39,6 @@ class Timer {
   // Milliseconds of each timed run, in run order.
   std::vector<double> run_ms(const std::function<void()>& op, int warmup, int reps) const;
   RunSpread spread_ms(const std::function<void()>& op, int warmup, int reps) const;
-  double fastest_ms(const std::function<void()>& op, int warmup, int reps) const;
   // Runs `op` once, then once more between cudaProfilerStart and
   // cudaProfilerStop (CUDA devices only).
   void profile(const std::function<void()>& op) const;
