@@ -89,8 +89,8 @@ std::optional<std::string> hopper_unavailable_reason(bool (*available)(Device),
   const Device device = Device::cuda(0);
   if (auto reason = unavailable_reason(device)) return reason;
   if (available == nullptr || !available(device)) {
-    return "CUDA device 0 is not a compute capability 9.0 GPU, or this build carries no sm_90a "
-           "code: the Hopper " +
+    return "CUDA device 0 is not a compute capability 9.0 GPU, this build carries no sm_90a "
+           "code, or a Hopper kernel does not fit the device's shared memory: the Hopper " +
            std::string(path) + " path cannot run here";
   }
   return std::nullopt;
