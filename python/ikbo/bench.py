@@ -318,8 +318,8 @@ class Spread(NamedTuple):
 
 
 class Timer:
-    """Times a callable: the median (or fastest) of ``reps`` runs after
-    ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
+    """Times a callable: the median, fastest and slowest of ``reps`` runs
+    after ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
     the previous run's data, and behind a short GPU wait (``lead_cycles``;
     with a longer one before the first run, ``HEAD_START_CYCLES``) that

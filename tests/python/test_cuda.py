@@ -287,6 +287,13 @@ def test_cupy_arrays():
     assert_close(cupy.asnumpy(out), lce_reference(*host, cand_to_user), "float16")
 
 
+def busy_wait(seconds):
+    """Keeps the host busy (not asleep) for ``seconds``."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 def test_bench_timer_times_the_gpu_not_the_host():
     """A run whose host side takes 60 us before it launches a ~5 us kernel:
     each run waits behind the timer's GPU lead, so the events see the
@@ -298,9 +305,7 @@ def test_bench_timer_times_the_gpu_not_the_host():
     a = torch.ones(1024, device=DEVICE)
 
     def slow_host_small_kernel():
-        deadline = time.perf_counter() + 60e-6
-        while time.perf_counter() < deadline:
-            pass
+        busy_wait(60e-6)
         a.add_(1.0)
 
     assert timer.median_ms(slow_host_small_kernel) < 0.03
@@ -320,9 +325,7 @@ def test_bench_timer_outlasts_a_pause_of_the_host():
         nonlocal calls
         calls += 1
         if calls == 5:  # the third timed run
-            deadline = time.perf_counter() + 3e-3
-            while time.perf_counter() < deadline:
-                pass
+            busy_wait(3e-3)
         a.add_(1.0)
 
     assert timer.spread_ms(one_pause).max < 0.03
