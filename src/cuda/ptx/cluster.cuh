@@ -33,8 +33,10 @@ __device__ __forceinline__ void cluster_sync() {
 // the CTA of rank `rank` (this CTA's own rank included). The default
 // .release.cta semantics suffice for handing back a stage whose readers were
 // wgmmas already retired by wgmma.wait_group, and avoid the GPU-wide memory
-// barrier a .release.cluster arrive compiles to. `count` arrivals at once
-// (e.g. one thread standing in for several warps).
+// barrier a .release.cluster arrive compiles to (a cluster-scope fence per
+// release, even one per batch of stages forwarded by a single thread, made
+// the LCE kernel 1.2-1.8x slower; bench/notes/lce_sm90.md, session 27).
+// `count` arrivals at once (e.g. one thread standing in for several warps).
 __device__ __forceinline__ void remote_mbarrier_arrive(std::uint64_t* barrier, std::uint32_t rank,
                                                        std::uint32_t count = 1) {
   std::uint32_t remote_address;
