@@ -310,26 +310,34 @@ __device__ __forceinline__ void release_stage_per_lane(std::uint64_t* empty, int
 
 // The stages a unit's epilogue holds (see the header comment): held[i] is
 // the stage of the unit's i-th held k-step. release(i), by one thread,
-// hands stage i back for all consumer warps of this CTA.
+// hands stage i back for all consumer warps of this CTA: one arrival of a
+// warp's count per consumer warp, on every CTA's barrier, as the warps'
+// own releases arrive. (A single arrival of the whole count is the same to
+// the barrier, but compute-sanitizer's racecheck ended launches with
+// "unspecified launch failure" and no hazard when a remote arrival counted
+// 256: a synchronization-only kernel on this pipeline in every run, the
+// LCE kernel in 6 of 30; with arrivals of 32, in none of 4 and 30.
+// bench/notes/lce_sm90.md, session 28.)
 template <class Kernel>
 struct HeldStages {
   using Stage = typename Kernel::Stage;
   Stage* stages;
   std::uint64_t* empty;
   int first;  // stage of held[0]
-  // A hand-back arrives for every consumer warp of the CTA.
-  static constexpr std::uint32_t kStandsFor = kConsumerWarps<Kernel> * kWarpArrivals;
 
   __device__ __forceinline__ int index(int i) const { return (first + i) % Kernel::kStages; }
   __device__ __forceinline__ Stage& operator[](int i) const { return stages[index(i)]; }
   __device__ __forceinline__ void release(int i) const {
-    if constexpr (Kernel::kClusterSize > 1) {
 #pragma unroll
-      for (int target = 0; target < Kernel::kClusterSize; ++target) {
-        ptx::remote_mbarrier_arrive(&empty[index(i)], target, kStandsFor);
+    for (int warp = 0; warp < kConsumerWarps<Kernel>; ++warp) {
+      if constexpr (Kernel::kClusterSize > 1) {
+#pragma unroll
+        for (int target = 0; target < Kernel::kClusterSize; ++target) {
+          ptx::remote_mbarrier_arrive(&empty[index(i)], target, kWarpArrivals);
+        }
+      } else {
+        ptx::mbarrier_arrive(&empty[index(i)], kWarpArrivals);
       }
-    } else {
-      ptx::mbarrier_arrive(&empty[index(i)], kStandsFor);
     }
   }
 };
