@@ -36,7 +36,9 @@ __device__ __forceinline__ void cluster_sync() {
 // barrier a .release.cluster arrive compiles to (a cluster-scope fence per
 // release, even one per batch of stages forwarded by a single thread, made
 // the LCE kernel 1.2-1.8x slower; bench/notes/lce_sm90.md, session 27).
-// `count` arrivals at once (e.g. one thread standing in for several warps).
+// `count` arrivals at once (e.g. a warp's leader for its 32 lanes). The
+// kernels keep it at a warp's 32: a count of 256 made compute-sanitizer's
+// racecheck fail launches (HeldStages in sm90/pipeline.cuh).
 __device__ __forceinline__ void remote_mbarrier_arrive(std::uint64_t* barrier, std::uint32_t rank,
                                                        std::uint32_t count = 1) {
   std::uint32_t remote_address;
