@@ -6,9 +6,10 @@
 // stages back. The sums are checked exactly against the host. device-check
 // runs it under racecheck too: with the storer's hand-back as one remote
 // arrival counting all eight consumer warps, racecheck ended every launch
-// of this kernel's model (bench/notes/racecheck_ring_repro.cu without
-// multicast) with "unspecified launch failure" (bench/notes/lce_sm90.md,
-// session 28), so the test guards the per-warp arrivals. Skips, with the
+// of the program this test grew from (bench/notes/racecheck_ring_repro.cu
+// of 545e3f7, without multicast) with "unspecified launch failure"
+// (bench/notes/lce_sm90.md, session 28), so the test guards the per-warp
+// arrivals. Skips, with the
 // reason, unless device 0 is an sm_90 GPU and the build carries sm_90a code.
 #include <cuda_runtime.h>
 
@@ -134,11 +135,7 @@ struct RingKernel {
       ptx::bulk_store(p.out + slot * kOutBytes, &held[consumer], kOutBytes);
       ptx::bulk_commit_group();
     }
-    static_assert(kConsumerWarpgroups == 2, "the releases below follow two stores");
-    ptx::bulk_wait_group_read<1>();
-    held.release(0);
-    ptx::bulk_wait_group_read<0>();
-    held.release(1);
+    held.template release_as_read<kConsumerWarpgroups>();
   }
 };
 

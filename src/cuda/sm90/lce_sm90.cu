@@ -196,7 +196,6 @@ struct LceSm90Kernel {
   // while the next unit runs.
   static constexpr int kMaxHeldStages = kPartialSteps;
   static_assert(kConsumerWarpgroups <= kPartialSteps, "a candidate unit holds P step stages");
-  static_assert(kPartialSteps == 3, "store_held releases three step images");
 
   // Where a consumer thread keeps quad `quad` of its tile in that quad's
   // step image ([consumer warpgroup][quad of the step][thread], float4
@@ -446,12 +445,7 @@ struct LceSm90Kernel {
         }
         ptx::bulk_commit_group();
       }
-      ptx::bulk_wait_group_read<2>();
-      held.release(0);
-      ptx::bulk_wait_group_read<1>();
-      held.release(1);
-      ptx::bulk_wait_group_read<0>();
-      held.release(2);
+      held.template release_as_read<kPartialSteps>();
       ptx::bulk_wait_group<0>();
       ptx::fence_async_global();  // the candidate units read P with TMA after the flag
       ptx::signal_ready(ready);
@@ -467,11 +461,7 @@ struct LceSm90Kernel {
       }
       ptx::bulk_commit_group();
     }
-    static_assert(kConsumerWarpgroups == 2, "the releases below follow two stores");
-    ptx::bulk_wait_group_read<1>();
-    held.release(0);
-    ptx::bulk_wait_group_read<0>();
-    held.release(1);
+    held.template release_as_read<kConsumerWarpgroups>();
   }
 };
 

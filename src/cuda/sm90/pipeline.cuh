@@ -148,7 +148,8 @@
 //       store_held(params, info, rank, held)  copy the stages out with bulk
 //         or TMA stores issued by this thread, and hand each back with
 //         held.release(i) once no store reads it any more
-//         (bulk_wait_group_read); it may also wait for the stores to
+//         (bulk_wait_group_read; held.release_as_read<n>() does both for
+//         one bulk group per stage); it may also wait for the stores to
 //         complete and then tell other CTAs (a ready flag).
 //     The storer waits for its stores to complete before it exits. Two
 //     barriers carry the hand-over, one phase per unit with held stages:
@@ -338,6 +339,17 @@ struct HeldStages {
       } else {
         ptx::mbarrier_arrive(&empty[index(i)], kWarpArrivals);
       }
+    }
+  }
+  // Hands back held[kFirst], ..., held[kCount - 1], each as soon as the
+  // storer's bulk copies out of it have read it, for a storer that
+  // committed one bulk group per stage, in held order, and none after.
+  template <int kCount, int kFirst = 0>
+  __device__ __forceinline__ void release_as_read() const {
+    if constexpr (kFirst < kCount) {
+      ptx::bulk_wait_group_read<kCount - 1 - kFirst>();
+      release(kFirst);
+      release_as_read<kCount, kFirst + 1>();
     }
   }
 };
