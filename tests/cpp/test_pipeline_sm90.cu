@@ -31,7 +31,7 @@ namespace {
 namespace sm90 = detail::cuda::sm90;
 namespace ptx = detail::cuda::ptx;
 
-constexpr int kThreadsPerConsumer = 128;
+constexpr int kThreadsPerConsumer = sm90::kWarpgroupThreads;
 
 // A unit: main_steps k-steps that only pass through the ring, then three
 // register steps. Every k-step brings one 44 KB stage image of the source.
@@ -75,6 +75,12 @@ struct RingKernel {
   // register step in the step's image (float4 units).
   __host__ __device__ static int image_quad(int quad, int consumer, int thread) {
     return (consumer * kQuadsPerStep + quad % kQuadsPerStep) * kThreadsPerConsumer + thread;
+  }
+
+  // Where unit `unit`'s output of CTA `rank`, consumer `consumer` lies in
+  // `out`, in kOutBytes (host and device).
+  __host__ __device__ static std::size_t out_slot(int unit, int rank, int consumer) {
+    return (static_cast<std::size_t>(unit) * kClusterSize + rank) * kConsumerWarpgroups + consumer;
   }
 
   __device__ static int num_units(const Params& p) { return p.num_units; }
@@ -130,9 +136,8 @@ struct RingKernel {
   }
   __device__ static void store_held(const Params& p, int unit, int rank, const Held& held) {
     for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
-      const auto slot = (static_cast<std::size_t>(unit) * kClusterSize + rank) * kConsumerWarpgroups +
-                        consumer;
-      ptx::bulk_store(p.out + slot * kOutBytes, &held[consumer], kOutBytes);
+      ptx::bulk_store(p.out + out_slot(unit, rank, consumer) * kOutBytes, &held[consumer],
+                      kOutBytes);
       ptx::bulk_commit_group();
     }
     held.template release_as_read<kConsumerWarpgroups>();
@@ -170,8 +175,7 @@ TEST(PipelineSm90Test, RegisterStepsAndHeldStagesCarryEverySumAcrossClusters) {
   std::vector<float> source(static_cast<std::size_t>(kSourceStages) * RingKernel::kStageBytes / 4);
   for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>((i * 7) % 97);
   DeviceBuffer source_device(kCuda, std::as_bytes(std::span(source)));
-  const std::size_t out_bytes = static_cast<std::size_t>(kUnits) * RingKernel::kClusterSize *
-                                RingKernel::kConsumerWarpgroups * RingKernel::kOutBytes;
+  const std::size_t out_bytes = RingKernel::out_slot(kUnits, 0, 0) * RingKernel::kOutBytes;
   DeviceBuffer out_device(kCuda, out_bytes);
 
   const sm90::HopperDevice hopper = sm90::query_device(kCuda.index);
@@ -204,10 +208,7 @@ TEST(PipelineSm90Test, RegisterStepsAndHeldStagesCarryEverySumAcrossClusters) {
   for (int unit = 0; unit < kUnits; ++unit) {
     for (int rank = 0; rank < RingKernel::kClusterSize; ++rank) {
       for (int consumer = 0; consumer < RingKernel::kConsumerWarpgroups; ++consumer) {
-        const std::size_t slot =
-            (static_cast<std::size_t>(unit) * RingKernel::kClusterSize + rank) *
-                RingKernel::kConsumerWarpgroups +
-            consumer;
+        const std::size_t slot = RingKernel::out_slot(unit, rank, consumer);
         for (int quad = 0; quad < RingKernel::kQuadsPerStep; ++quad) {
           for (int thread = 0; thread < kThreadsPerConsumer; ++thread) {
             for (int component = 0; component < 4; ++component) {
