@@ -7,7 +7,8 @@
 // two units (few users, long Ku); its max abs error against
 // that of the cuBLAS path (the same call with the Hopper path switched off);
 // bitwise-identical repeated runs; an Inf in the next candidate's or user's
-// rows never reaching out; and the fallback for shapes it does not take.
+// rows never reaching out; candidate pairs that share a user, straddle two
+// or stand alone; and the fallback for shapes it does not take.
 // Stream ordering and CUDA-graph capture of lce are tested in
 // test_cuda_stream.cpp, whose lce shape takes this path on Hopper GPUs.
 // Every test skips, with the reason, unless device 0 is an sm_90 GPU and the
@@ -241,6 +242,28 @@ TEST_F(LceSm90Test, InfInTheNextCandidateOrUserNeverReachesOut) {
     EXPECT_TRUE(matches_reference(std::span(out).subspan(offset, output_size),
                                   std::span(expected).subspan(offset, output_size), dtype));
   }
+}
+
+// The two CTAs of a candidate unit take neighbouring candidates of the
+// map's by-user order (users 0, 2, 3 with 2, 3 and 2 candidates, users 1
+// and 4 with none: by user, candidates 1 4 | 0 2 5 | 3 6). The pairs: two
+// candidates of one user, sharing the P tile (1 4, 0 2); two that straddle
+// users 2 and 3 (5 3); and candidate 6 alone (odd B), whose partner CTA
+// runs its tile again and must store nothing.
+TEST_F(LceSm90Test, CandidatePairsSharingStraddlingOrAloneMatchReferenceAndRepeatBitwise) {
+  SeededRng rng;
+  const DType dtype = DType::bf16;
+  const LceShape shape{433, 872, 1025, 256, 7, 5};
+  const LceProblem problem(shape, rng.tensor(dtype, {shape.m, shape.kc}),
+                           rng.tensor(dtype, {shape.m, shape.ku}),
+                           rng.tensor(dtype, {shape.num_candidates, shape.kc, shape.n}),
+                           rng.tensor(dtype, {shape.num_users, shape.ku, shape.n}),
+                           {2, 0, 2, 3, 0, 2, 3});
+  ASSERT_TRUE(sm90_takes(problem.plan, shape));
+  const Sm90Path on(true);
+  const std::vector<double> out = problem.run();
+  EXPECT_TRUE(matches_reference(out, problem.expected(), dtype));
+  EXPECT_TRUE(exactly_equal(problem.run(), out)) << "two runs on identical inputs differ";
 }
 
 // The walks of many units with ikbo's kernel alone (no cuBLAS comparison):

@@ -137,6 +137,16 @@ __device__ __forceinline__ void bulk_load(void* shared_destination, const void* 
                              shared_destination, source, bytes, barrier);
 }
 
+// bulk_load into the same shared-memory offset of every CTA of the cluster
+// named in `cta_mask`, completing on the mbarrier at `barrier`'s offset in
+// each of them (sm_90a).
+__device__ __forceinline__ void bulk_load_multicast(void* shared_destination, const void* source,
+                                                    std::uint32_t bytes, std::uint64_t* barrier,
+                                                    std::uint16_t cta_mask) {
+  ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
+                             shared_destination, source, bytes, barrier, cta_mask);
+}
+
 // Copies the box at (c0, c1) of a 2-D map into shared memory.
 __device__ __forceinline__ void tma_load(void* shared_destination, const CUtensorMap* map,
                                          std::int32_t c0, std::int32_t c1,

@@ -43,11 +43,20 @@
 //
 // Clusters of two. Operand traffic from L2 bounds this GEMM (measured on
 // H100: L2 at 74% of peak, tensor cores 45% busy, with one CTA per tile).
-// The two CTAs of a cluster take neighbouring N blocks of the same
-// (b, M block), so they need the same weight tile: each loads half of it
-// (a {64 k, 112 m} box) and multicasts it into both CTAs, which cuts the
-// L2 reads per tile by a third. N blocks are padded to an even count; a
-// block past N computes zeros and stores nothing.
+// The two CTAs of a cluster always need the same weight tile: each loads
+// half of it (a {64 k, 112 m} box) and multicasts it into both CTAs, which
+// cuts the L2 reads per tile by a third. In a user unit they take
+// neighbouring N blocks of the same (u, M block); N blocks are padded to an
+// even count there, and a block past N computes zeros and stores nothing.
+// In a candidate unit they take the same (N block, M block) of two
+// neighbouring candidates of the map's by-user order. When the two
+// candidates have the same user (all pairs but those that straddle two
+// users), they need the same P tile too, and each CTA copies half of every
+// P step image into both (a bulk multicast). An odd B leaves the last
+// unit's second CTA without a candidate: it runs the first one's tile,
+// whose weight halves and P halves its partner needs, and stores nothing.
+// (H100, session 29: B = 512 0.1957 against 0.1978 ms for a walk of N
+// block pairs of one candidate, the reference shape 0.3757 against 0.3793.)
 //
 // The user partial P. A user unit stores P exactly as it sits in the
 // accumulators ("fragment order": per tile, three step images of 11, 11
@@ -78,9 +87,11 @@
 // and P stored with st.global; the freed buffers make a fifth stage).
 //
 // Schedule: a persistent grid of co-resident clusters walks the units in
-// the order (user units; then b, N-block pair, M block): the M blocks that
+// the order (user units: u, N-block pair, M block; then candidate units:
+// candidate pair of the by-user order, N block, M block): the M blocks that
 // share columns of e[b] run side by side, so those columns come from DRAM
-// once and from L2 after.
+// once and from L2 after, and one user's candidates run close together, so
+// its P tiles are read from L2.
 #include "cuda/sm90/lce_sm90.hpp"
 
 #include <cuda.h>
@@ -133,6 +144,9 @@ struct LceSm90Params {
   float* user_partials;  // [U][N block][M block][fragment order]
   int* user_ready;       // [U][N block][M block]: 1 once the tile is stored
   const std::int32_t* cand_to_user;
+  const std::int32_t* candidates_by_user;
+  int num_candidates;
+  int candidate_n_blocks;  // N blocks of the candidate units (not padded)
   int m, n;
   int user_k_steps, candidate_k_steps;
   int n_blocks, m_blocks;  // n_blocks even
@@ -210,6 +224,8 @@ struct LceSm90Kernel {
 
   struct Tile {
     bool user;  // a user unit (P tile) or a candidate unit (out tile)
+    bool idle;  // a candidate unit's CTA without a candidate (odd B): stores nothing
+    bool shared_partial;  // both CTAs' candidates have the same user: P is multicast
     int batch, n_block, m_block;
     int part;             // a user unit's part of its P tile's k-steps
     std::int64_t partial_tile;  // index of its P tile
@@ -219,22 +235,48 @@ struct LceSm90Kernel {
     return params.first_unit + launch_unit < params.num_user_units;
   }
 
-  // Unit -> tile: user units first, then candidate units, each walking
-  // (batch item, N block pair, M block); the CTA of rank r takes the pair's
-  // N block 2 * pair + r. A P tile's user_splits parts are neighbouring
-  // units, so they run side by side.
-  __device__ static Tile tile_at(const Params& params, int launch_unit, int rank) {
+  // Unit -> tile: user units first, each walking (user, N block pair, M
+  // block), the CTA of rank r taking the pair's N block 2 * pair + r (a P
+  // tile's user_splits parts are neighbouring units, so they run side by
+  // side); then candidate units, each walking (candidate pair, N block, M
+  // block), the CTA of rank r taking candidate 2 * pair + r of the map's
+  // by-user order. The two CTAs of a candidate unit need the same weight
+  // tile, and the same P tile when their candidates have the same user.
+  // Without `with_candidates` the candidate and its user are not looked up
+  // (batch and partial_tile are left unset).
+  __device__ static Tile tile_at(const Params& params, int launch_unit, int rank,
+                                 bool with_candidates = true) {
     Tile tile;
     tile.user = is_user_unit(params, launch_unit);
+    tile.idle = false;
+    tile.shared_partial = false;
     const int unit = params.first_unit + launch_unit;
     tile.part = tile.user ? unit % params.user_splits : 0;
-    const int index = tile.user ? unit / params.user_splits : unit - params.num_user_units;
-    const int units_per_item = params.n_blocks / kClusterSize * params.m_blocks;
-    const int within_item = index % units_per_item;
-    tile.batch = index / units_per_item;
-    tile.n_block = within_item / params.m_blocks * kClusterSize + rank;
-    tile.m_block = within_item % params.m_blocks;
-    const int user = tile.user ? tile.batch : params.cand_to_user[tile.batch];
+    int user = 0;
+    if (tile.user) {
+      const int index = unit / params.user_splits;
+      const int units_per_item = params.n_blocks / kClusterSize * params.m_blocks;
+      const int within_item = index % units_per_item;
+      tile.batch = index / units_per_item;
+      tile.n_block = within_item / params.m_blocks * kClusterSize + rank;
+      tile.m_block = within_item % params.m_blocks;
+      user = tile.batch;
+    } else {
+      const int index = unit - params.num_user_units;
+      const int units_per_pair = params.candidate_n_blocks * params.m_blocks;
+      const int within_pair = index % units_per_pair;
+      const int first = index / units_per_pair * kClusterSize;
+      tile.n_block = within_pair / params.m_blocks;
+      tile.m_block = within_pair % params.m_blocks;
+      tile.idle = first + rank >= params.num_candidates;
+      if (!with_candidates) return tile;
+      const int last = min(first + kClusterSize, params.num_candidates) - 1;
+      const int first_user = params.cand_to_user[params.candidates_by_user[first]];
+      tile.shared_partial =
+          params.cand_to_user[params.candidates_by_user[last]] == first_user;
+      tile.batch = params.candidates_by_user[tile.idle ? first : first + rank];
+      user = params.cand_to_user[tile.batch];
+    }
     tile.partial_tile =
         (static_cast<std::int64_t>(user) * params.n_blocks + tile.n_block) * params.m_blocks +
         tile.m_block;
@@ -298,7 +340,17 @@ struct LceSm90Kernel {
         ptx::wait_ready(params.user_ready + tile.partial_tile, params.user_splits);
         ptx::fence_async_global();
       }
-      ptx::bulk_load(&stage, partial_image(params, tile, step), partial_step_bytes(step), full);
+      const float* image = partial_image(params, tile, step);
+      const std::uint32_t bytes = partial_step_bytes(step);
+      if (tile.shared_partial) {
+        // Each CTA copies its half of the step image into both.
+        const std::uint32_t half = bytes / kClusterSize;
+        ptx::bulk_load_multicast(reinterpret_cast<char*>(&stage) + rank * half,
+                                 image + rank * half / sizeof(float), half, full,
+                                 (1u << kClusterSize) - 1);
+      } else {
+        ptx::bulk_load(&stage, image, bytes, full);
+      }
       return;
     }
     const CUtensorMap* activations =
@@ -386,7 +438,7 @@ struct LceSm90Kernel {
                                 const Held& held) {
     float* acc = accumulators.values;
     ptx::fence_operands(accumulators.values);
-    const Tile tile = tile_at(params, unit, rank);
+    const Tile tile = tile_at(params, unit, rank, /*with_candidates=*/false);
     const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
 
     if (tile.user) {
@@ -399,8 +451,8 @@ struct LceSm90Kernel {
       return;
     }
 
-    // A block past N (padding of the last N block pair) stores nothing.
-    if (tile.n_block * kBlockN + consumer * kWarpgroupBlockN >= params.n) return;
+    // A CTA without a candidate (odd B) and a warpgroup's columns past N store nothing.
+    if (tile.idle || tile.n_block * kBlockN + consumer * kWarpgroupBlockN >= params.n) return;
     // Round, and stage this warpgroup's 64 n x 224 m as rows of M with N
     // contiguous (128 bytes, 128-byte swizzled: the 16-byte chunk c of row
     // m at c ^ (m % 8), as the TMA store expects, and free of bank
@@ -456,7 +508,7 @@ struct LceSm90Kernel {
 #pragma unroll
     for (int consumer = 0; consumer < kConsumerWarpgroups; ++consumer) {
       const int n0 = tile.n_block * kBlockN + consumer * kWarpgroupBlockN;
-      if (n0 < params.n) {
+      if (!tile.idle && n0 < params.n) {
         ptx::tma_store(&params.out, n0, tile.m_block * kBlockM, tile.batch, &held[consumer]);
       }
       ptx::bulk_commit_group();
@@ -595,6 +647,9 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.user_partials = reinterpret_cast<float*>(workspace);
   params.user_ready = reinterpret_cast<int*>(workspace + layout.partial_bytes);
   params.cand_to_user = args.map->device_view.cand_to_user;
+  params.candidates_by_user = args.map->device_view.candidates_by_user;
+  params.num_candidates = static_cast<int>(args.num_candidates);
+  params.candidate_n_blocks = static_cast<int>((args.n + kBlockN - 1) / kBlockN);
   params.m = static_cast<int>(plan.m);
   params.n = static_cast<int>(args.n);
   // At least one k-step per held stage of a user unit (k-steps past K
@@ -606,7 +661,9 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   const auto num_user_tiles = static_cast<int>(args.num_users * grid.units_per_item());
   params.user_splits = user_splits<Kernel>(num_user_tiles, params.user_k_steps, max_clusters);
   params.num_user_units = num_user_tiles * params.user_splits;
-  const int num_candidate_units = static_cast<int>(args.num_candidates * grid.units_per_item());
+  const int num_candidate_units = static_cast<int>(
+      (args.num_candidates + kClusterSize - 1) / kClusterSize * params.candidate_n_blocks *
+      grid.m_blocks);
 
   // The flags; and P where split tiles add into it (it precedes them).
   if (params.user_splits > 1) {
