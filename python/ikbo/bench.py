@@ -15,7 +15,8 @@ Suites and variants (each variant's ``timed`` text says what one timed run cover
   Ku=1178, Kc=866, B=1024, ratio 70, fp16 on a GPU), a batch sweep
   B in {512, ..., 3072} at ratio 70 and a ratio sweep {2, ..., 1000} at
   B=1024: ``broadcast``, ``broadcast+copy``, ``decomposed``, ``aligned``,
-  ``ikbo``.
+  ``fused`` (CUDA only; skipped, with the reason, where ikbo's Hopper kernel
+  does not run) and ``ikbo``.
 - ``attention`` -- B=2048, ratio 64, H=2, n_seed=64, D=128 over
   S in {512, ..., 16384}: SDPA on pre-broadcast K/V with each backend
   (``sdpa-flash``, ``sdpa-cudnn``), the fastest with the broadcast copy timed
@@ -92,6 +93,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ikbo
+from ikbo import _C
 
 __all__ = [
     "DTYPES",
@@ -753,6 +755,31 @@ def _prepare_ikbo_lce(work: LceWorkload) -> Prepared:
     return Prepared(lambda: ikbo.lce(plan, None, work.e_c, work.e_u, mapping))
 
 
+def _prepare_fused(work: LceWorkload) -> Prepared:
+    # Published stage 3 on the library's Hopper kernel (ikbo-bench's fused):
+    # ikbo.lce's call, with the user GEMM in a launch of its own.
+    stream = _current_stream(work.e_c.device)
+    plan = ikbo.LcePlan(*work.split_weight(), stream)
+    mapping = ikbo.CandidateMap(work.cand_to_user, work.shape.U, stream)
+    # Poisoned: the output check must not pass on an earlier variant's result.
+    out = work.e_c.new_full((work.shape.B, plan.m, work.e_c.shape[2]), float("nan"))
+    workspace_bytes = _C.lce_workspace_bytes(plan, work.e_c, work.e_u, mapping)
+    workspace = (
+        torch.empty(workspace_bytes, dtype=torch.uint8, device=work.e_c.device)
+        if workspace_bytes
+        else None
+    )
+    blocker = _C.baseline.lce_fused_blocker(plan, work.e_c, work.e_u, mapping, out, workspace)
+    if blocker is not None:
+        raise _Unavailable(blocker)
+
+    def run() -> torch.Tensor:
+        _C.baseline.lce_fused(plan, work.e_c, work.e_u, mapping, out, stream, workspace)
+        return out
+
+    return Prepared(run)
+
+
 LCE_VARIANTS = (
     Variant(
         "broadcast",
@@ -785,6 +812,20 @@ LCE_VARIANTS = (
         _prepare_ikbo_lce,
     ),
 )
+# CUDA only, between aligned and ikbo: where the Hopper kernel does not run
+# (another GPU, a shape it does not take) it is skipped with the reason.
+LCE_FUSED_VARIANT = Variant(
+    "fused",
+    "the candidate GEMM adding the user partial in its epilogue (ikbo's Hopper kernel, the "
+    "user GEMM in a launch of its own before it); plan, map and workspace prepared beforehand",
+    _prepare_fused,
+)
+
+
+def lce_variants(device: torch.device) -> tuple[Variant, ...]:
+    if not _is_cuda(device):
+        return LCE_VARIANTS
+    return (*LCE_VARIANTS[:-1], LCE_FUSED_VARIANT, LCE_VARIANTS[-1])
 
 
 # Attention ------------------------------------------------------------------
@@ -1119,8 +1160,8 @@ class Suite:
     make_workload: Callable[[Any, torch.device, torch.dtype], Any]
 
 
-def lce_suite() -> Suite:
-    return Suite("lce", LCE_VARIANTS, "broadcast", "broadcast+copy", LceWorkload.make)
+def lce_suite(device: torch.device) -> Suite:
+    return Suite("lce", lce_variants(device), "broadcast", "broadcast+copy", LceWorkload.make)
 
 
 def linear_suite() -> Suite:
@@ -1153,6 +1194,10 @@ class SuiteResult:
 
 class _Mismatch(Exception):
     """A variant's output differs from the reference variant's."""
+
+
+class _Unavailable(Exception):
+    """A variant that cannot run here (the message says why): skipped."""
 
 
 def _check_and_time(
@@ -1205,6 +1250,8 @@ def run_suite(
                 )
             except torch.OutOfMemoryError as error:
                 failure = ("skipped", f"out of memory: {str(error).splitlines()[0]}")
+            except _Unavailable as error:
+                failure = ("skipped", str(error))
             except _Mismatch as error:
                 failure = ("failed", str(error))
             except Exception as error:  # noqa: BLE001 -- reported; the other variants go on
@@ -1699,7 +1746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.suite in ("lce", "all"):
         planned.append(
             (
-                lce_suite(),
+                lce_suite(device),
                 lce_shapes(lce_sweeps, options.B, options.ratio),
                 lambda records, suite: lce_tables(records, suite, lce_reference),
             )

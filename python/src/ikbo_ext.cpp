@@ -26,6 +26,7 @@
 #include <string>
 #include <string_view>
 
+#include "baselines.hpp"
 #include "ikbo/ikbo.hpp"
 
 namespace nb = nanobind;
@@ -326,6 +327,46 @@ void bind_lce(nb::module_& m) {
       "untouched, on any invalid argument.");
 }
 
+// Stages of the published staircase that only the library can run, for the
+// Python bench (not part of the API).
+void bind_baselines(nb::module_& m) {
+  nb::module_ baseline = m.def_submodule(
+      "baseline", "Benchmark baselines the library runs (not part of ikbo's API).");
+  baseline.def(
+      "lce_fused_blocker",
+      [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map,
+         OutputArray out, std::optional<OutputArray> workspace) {
+        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
+        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
+        const ikbo::Tensor out_view = to_tensor(out, "out");
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
+        return ikbo::baseline::lce_fused_blocker(plan, e_c_view, e_u_view, map, out_view,
+                                                 scratch);
+      },
+      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "workspace"_a.none() = nb::none(),
+      "Why lce_fused cannot run this call here (not a Hopper GPU, a shape its kernel\n"
+      "does not take, ...), or None.");
+  baseline.def(
+      "lce_fused",
+      [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map,
+         OutputArray out, std::uintptr_t stream, std::optional<OutputArray> workspace) {
+        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
+        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
+        const ikbo::Tensor out_view = to_tensor(out, "out");
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
+        nb::gil_scoped_release release;
+        ikbo::baseline::lce_fused(plan, e_c_view, e_u_view, map, out_view, to_stream(stream),
+                                  scratch);
+      },
+      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "stream"_a = 0,
+      "workspace"_a.none() = nb::none(),
+      "The published stage 3 (broadcast fusion): lce's call (same arguments, same\n"
+      "workspace) on the Hopper kernel with the user GEMM in a launch of its own, then\n"
+      "the candidate GEMM adding the user partial in its epilogue. Raises ValueError on\n"
+      "an invalid argument, RuntimeError with lce_fused_blocker's reason where it cannot\n"
+      "run; out is untouched either way.");
+}
+
 std::optional<ikbo::Tensor> optional_tensor(const std::optional<InputArray>& array,
                                             std::string_view name) {
   if (!array) return std::nullopt;
@@ -475,6 +516,7 @@ NB_MODULE(_C, m) {
   bind_candidate_map(m);
   bind_jagged_offsets(m);
   bind_lce(m);
+  bind_baselines(m);
   bind_linear(m);
   bind_attention(m);
 }

@@ -83,6 +83,15 @@ def test_single_suite_without_json(capsys):
     assert "LCE, M=5, N=8, Ku=6, Kc=10, fp32" in printed and "Attention" not in printed
 
 
+def test_lce_fused_stage_is_a_cuda_variant_before_ikbo():
+    assert [variant.name for variant in bench.lce_variants(torch.device("cpu"))] == LCE_VARIANTS
+    assert [variant.name for variant in bench.lce_variants(torch.device("cuda", 0))] == [
+        *LCE_VARIANTS[:-1],
+        "fused",
+        "ikbo",
+    ]
+
+
 def test_linear_suite_end_to_end(tmp_path, capsys):
     path = tmp_path / "linear.json"
     arguments = ["linear", *TINY_ARGUMENTS, "--ratio", "1,4,1000", "--json", str(path)]

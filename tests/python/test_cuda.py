@@ -2,6 +2,8 @@
 float64 references, the caller's current stream, device checks, and CUDA
 graph capture (the ops neither allocate nor synchronize)."""
 
+import json
+import os
 import re
 import time
 
@@ -90,6 +92,30 @@ def test_lce_small_odd_shapes_into_poisoned_out(dtype_name, shape):
     )
     ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user, out=out)
     assert_close_cuda(out, lce_reference_cuda(w_c, w_u, e_c, e_u, cand_to_user), dtype_name)
+
+
+def test_fused_lce_baseline_matches_the_reference_or_says_why_not():
+    # The Python bench's "fused" stage: on Hopper it runs into a poisoned
+    # out; elsewhere the blocker names the reason and the call refuses.
+    dtype = torch.float16
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(dtype, 433, 1025, 872, 256, 9, 4, seed=3)
+    plan = ikbo.LcePlan(w_c, w_u)
+    candidate_map = ikbo.CandidateMap(cand_to_user, e_u.shape[0])
+    out = torch.full((9, 433, 256), float("nan"), dtype=dtype, device=DEVICE)
+    workspace_bytes = ikbo._C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=DEVICE)
+    reason = ikbo._C.baseline.lce_fused_blocker(plan, e_c, e_u, candidate_map, out, workspace)
+    stream = torch.cuda.current_stream(DEVICE).cuda_stream
+    hopper = torch.cuda.get_device_capability(DEVICE) == (9, 0)
+    if hopper and not os.environ.get("IKBO_DISABLE_SM90"):
+        assert reason is None or "no sm_90a code" in reason, reason
+    if reason is not None:
+        with pytest.raises(RuntimeError, match="lce_fused: the"):
+            ikbo._C.baseline.lce_fused(plan, e_c, e_u, candidate_map, out, stream, workspace)
+        assert torch.isnan(out).all()
+        return
+    ikbo._C.baseline.lce_fused(plan, e_c, e_u, candidate_map, out, stream, workspace)
+    assert_close_cuda(out, lce_reference_cuda(w_c, w_u, e_c, e_u, cand_to_user), "float16")
 
 
 def attention_reference_cuda(q, k, v, cand_to_user, offsets=None, scale=None):
@@ -345,3 +371,20 @@ def test_bench_timer_samples_the_sm_clock():
     assert set(clocks["clock_limits"]) <= {name for _, name in bench._CLOCK_LIMITS}
     # The idle before the runs stops at its bound (plus one poll and the call).
     assert 0 <= clocks["settled_ms"] <= 50 + 1e3 * bench.ClockMonitor.SETTLE_PERIOD_S + 20
+
+
+def test_bench_lce_suite_times_the_fused_stage_or_says_why_not(tmp_path):
+    from ikbo import bench
+
+    path = tmp_path / "lce.json"
+    arguments = ["lce", "--device", "cuda", "--B", "24", "--ratio", "4"]
+    arguments += ["--lce-dims", "40,16,24,40", "--reps", "2", "--warmup", "0", "--settle-ms", "0"]
+    assert bench.main([*arguments, "--json", str(path)]) == 0
+    document = json.loads(path.read_text())
+    variants = [record["variant"] for record in document["records"]]
+    skipped = {item["variant"]: item for item in document["not_measured"]}
+    assert "ikbo" in variants and ("fused" in variants) != ("fused" in skipped)
+    if "fused" in skipped:
+        assert skipped["fused"]["outcome"] == "skipped" and skipped["fused"]["reason"]
+    else:
+        assert variants.index("fused") == variants.index("ikbo") - 1

@@ -92,3 +92,20 @@ def test_lce_zero_candidates():
     e_c = np.zeros((0, w_c.shape[1], e_u.shape[2]), dtype=np.float16)
     out = ikbo.lce(w_c, w_u, e_c, e_u, np.zeros(0, dtype=np.int32))
     assert out.shape == (0, w_c.shape[0], e_u.shape[2])
+
+
+def test_fused_baseline_says_why_it_cannot_run_on_the_cpu():
+    # _C.baseline.lce_fused is the Python bench's "fused" stage: a Hopper
+    # kernel. On the CPU the blocker names the reason and the call refuses,
+    # with out untouched; bad inputs are refused as lce refuses them.
+    w_c, w_u, e_c, e_u, cand_to_user = make_inputs(15, SHAPES["k-of-one"], np.float32)
+    plan = ikbo.LcePlan(w_c, w_u)
+    candidate_map = ikbo.CandidateMap(cand_to_user, e_u.shape[0])
+    out = np.full((e_c.shape[0], plan.m, e_c.shape[2]), np.nan, dtype=np.float32)
+    reason = ikbo._C.baseline.lce_fused_blocker(plan, e_c, e_u, candidate_map, out)
+    assert "on the CPU" in reason
+    with pytest.raises(ValueError, match="lce_fused runs on CUDA only"):
+        ikbo._C.baseline.lce_fused(plan, e_c, e_u, candidate_map, out)
+    assert np.isnan(out).all()
+    with pytest.raises(ValueError, match="out"):
+        ikbo._C.baseline.lce_fused_blocker(plan, e_c, e_u, candidate_map, out[:, :1])
