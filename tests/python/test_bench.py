@@ -176,7 +176,7 @@ def test_wrong_output_is_reported_not_timed():
     def wrong(work):
         return bench.Prepared(lambda: torch.zeros(work.shape.B, work.shape.M, work.shape.N))
 
-    suite = bench.lce_suite()
+    suite = bench.lce_suite(torch.device("cpu"))
     suite = bench.Suite(
         "lce",
         (*suite.variants[:1], bench.Variant("wrong", "zeros", wrong)),
