@@ -258,6 +258,28 @@ void bind_jagged_offsets(nb::module_& m) {
       });
 }
 
+// Binds an op with ikbo::lce's signature (lce itself, the fused baseline).
+using LceFunction = void(const ikbo::LcePlan&, const ikbo::Tensor&, const ikbo::Tensor&,
+                         const ikbo::CandidateMap&, const ikbo::Tensor&, ikbo::Stream,
+                         ikbo::Workspace);
+
+void def_lce_call(nb::module_& m, const char* name, LceFunction* function, const char* doc) {
+  m.def(
+      name,
+      [function](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u,
+                 const ikbo::CandidateMap& map, OutputArray out, std::uintptr_t stream,
+                 std::optional<OutputArray> workspace) {
+        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
+        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
+        const ikbo::Tensor out_view = to_tensor(out, "out");
+        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
+        nb::gil_scoped_release release;
+        function(plan, e_c_view, e_u_view, map, out_view, to_stream(stream), scratch);
+      },
+      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "stream"_a = 0,
+      "workspace"_a.none() = nb::none(), doc);
+}
+
 void bind_lce(nb::module_& m) {
   nb::class_<ikbo::LcePlan>(
       m, "LcePlan",
@@ -307,19 +329,8 @@ void bind_lce(nb::module_& m) {
       "The same from the sizes alone: N, B and U of e_c [B, Kc, N] and e_u [U, Ku, N]\n"
       "(no array to export: the cheaper query when the inputs are at hand anyway).");
 
-  m.def(
-      "lce",
-      [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map,
-         OutputArray out, std::uintptr_t stream, std::optional<OutputArray> workspace) {
-        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
-        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
-        const ikbo::Tensor out_view = to_tensor(out, "out");
-        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
-        nb::gil_scoped_release release;
-        ikbo::lce(plan, e_c_view, e_u_view, map, out_view, to_stream(stream), scratch);
-      },
-      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "stream"_a = 0,
-      "workspace"_a.none() = nb::none(),
+  def_lce_call(
+      m, "lce", &ikbo::lce,
       "out[b] = w_c @ e_c[b] + w_u @ e_u[map.cand_to_user[b]], written into out [B, M, N].\n"
       "e_c [B, Kc, N], e_u [U, Ku, N], dense row-major, the plan's dtype and device.\n"
       "On CUDA: asynchronous on `stream`; `workspace` is a writable buffer on the plan's\n"
@@ -336,30 +347,15 @@ void bind_baselines(nb::module_& m) {
       "lce_fused_blocker",
       [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map,
          OutputArray out, std::optional<OutputArray> workspace) {
-        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
-        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
-        const ikbo::Tensor out_view = to_tensor(out, "out");
-        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
-        return ikbo::baseline::lce_fused_blocker(plan, e_c_view, e_u_view, map, out_view,
-                                                 scratch);
+        return ikbo::baseline::lce_fused_blocker(
+            plan, to_tensor(e_c, "e_c"), to_tensor(e_u, "e_u"), map, to_tensor(out, "out"),
+            to_workspace(workspace, plan.device(), "the plan"));
       },
       "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "workspace"_a.none() = nb::none(),
       "Why lce_fused cannot run this call here (not a Hopper GPU, a shape its kernel\n"
       "does not take, ...), or None.");
-  baseline.def(
-      "lce_fused",
-      [](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u, const ikbo::CandidateMap& map,
-         OutputArray out, std::uintptr_t stream, std::optional<OutputArray> workspace) {
-        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
-        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
-        const ikbo::Tensor out_view = to_tensor(out, "out");
-        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
-        nb::gil_scoped_release release;
-        ikbo::baseline::lce_fused(plan, e_c_view, e_u_view, map, out_view, to_stream(stream),
-                                  scratch);
-      },
-      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "stream"_a = 0,
-      "workspace"_a.none() = nb::none(),
+  def_lce_call(
+      baseline, "lce_fused", &ikbo::baseline::lce_fused,
       "The published stage 3 (broadcast fusion): lce's call (same arguments, same\n"
       "workspace) on the Hopper kernel with the user GEMM in a launch of its own, then\n"
       "the candidate GEMM adding the user partial in its epilogue. Raises ValueError on\n"
