@@ -258,25 +258,29 @@ void bind_jagged_offsets(nb::module_& m) {
       });
 }
 
-// Binds an op with ikbo::lce's signature (lce itself, the fused baseline).
-using LceFunction = void(const ikbo::LcePlan&, const ikbo::Tensor&, const ikbo::Tensor&,
-                         const ikbo::CandidateMap&, const ikbo::Tensor&, ikbo::Stream,
-                         ikbo::Workspace);
+// Binds an op called as op(plan, candidate side, user side, map, out,
+// stream, workspace): lce and its fused baseline (e_c, e_u), linear (x_c,
+// x_u). The arrays' names are the Python keywords and name them in errors.
+template <class Plan>
+using PlanOp = void(const Plan&, const ikbo::Tensor&, const ikbo::Tensor&,
+                    const ikbo::CandidateMap&, const ikbo::Tensor&, ikbo::Stream, ikbo::Workspace);
 
-void def_lce_call(nb::module_& m, const char* name, LceFunction* function, const char* doc) {
+template <class Plan>
+void def_plan_op(nb::module_& m, const char* name, PlanOp<Plan>* op, const char* candidate_side,
+                 const char* user_side, const char* doc) {
   m.def(
       name,
-      [function](const ikbo::LcePlan& plan, InputArray e_c, InputArray e_u,
-                 const ikbo::CandidateMap& map, OutputArray out, std::uintptr_t stream,
-                 std::optional<OutputArray> workspace) {
-        const ikbo::Tensor e_c_view = to_tensor(e_c, "e_c");
-        const ikbo::Tensor e_u_view = to_tensor(e_u, "e_u");
+      [op, candidate_side, user_side](const Plan& plan, InputArray candidates, InputArray users,
+                                      const ikbo::CandidateMap& map, OutputArray out,
+                                      std::uintptr_t stream, std::optional<OutputArray> workspace) {
+        const ikbo::Tensor candidate_view = to_tensor(candidates, candidate_side);
+        const ikbo::Tensor user_view = to_tensor(users, user_side);
         const ikbo::Tensor out_view = to_tensor(out, "out");
         const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
         nb::gil_scoped_release release;
-        function(plan, e_c_view, e_u_view, map, out_view, to_stream(stream), scratch);
+        op(plan, candidate_view, user_view, map, out_view, to_stream(stream), scratch);
       },
-      "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "stream"_a = 0,
+      "plan"_a, nb::arg(candidate_side), nb::arg(user_side), "map"_a, "out"_a, "stream"_a = 0,
       "workspace"_a.none() = nb::none(), doc);
 }
 
@@ -329,8 +333,8 @@ void bind_lce(nb::module_& m) {
       "The same from the sizes alone: N, B and U of e_c [B, Kc, N] and e_u [U, Ku, N]\n"
       "(no array to export: the cheaper query when the inputs are at hand anyway).");
 
-  def_lce_call(
-      m, "lce", &ikbo::lce,
+  def_plan_op<ikbo::LcePlan>(
+      m, "lce", &ikbo::lce, "e_c", "e_u",
       "out[b] = w_c @ e_c[b] + w_u @ e_u[map.cand_to_user[b]], written into out [B, M, N].\n"
       "e_c [B, Kc, N], e_u [U, Ku, N], dense row-major, the plan's dtype and device.\n"
       "On CUDA: asynchronous on `stream`; `workspace` is a writable buffer on the plan's\n"
@@ -354,8 +358,8 @@ void bind_baselines(nb::module_& m) {
       "plan"_a, "e_c"_a, "e_u"_a, "map"_a, "out"_a, "workspace"_a.none() = nb::none(),
       "Why lce_fused cannot run this call here (not a Hopper GPU, a shape its kernel\n"
       "does not take, ...), or None.");
-  def_lce_call(
-      baseline, "lce_fused", &ikbo::baseline::lce_fused,
+  def_plan_op<ikbo::LcePlan>(
+      baseline, "lce_fused", &ikbo::baseline::lce_fused, "e_c", "e_u",
       "The published stage 3 (broadcast fusion): lce's call (same arguments, same\n"
       "workspace) on the Hopper kernel with the user GEMM in a launch of its own, then\n"
       "the candidate GEMM adding the user partial in its epilogue. Raises ValueError on\n"
@@ -440,20 +444,8 @@ void bind_linear(nb::module_& m) {
       "The same from the sizes alone: B and U of x_c [B, Kc] and x_u [U, Ku] (no array\n"
       "to export: the cheaper query when the inputs are at hand anyway).");
 
-  m.def(
-      "linear",
-      [](const ikbo::LinearPlan& plan, InputArray x_c, InputArray x_u,
-         const ikbo::CandidateMap& map, OutputArray out, std::uintptr_t stream,
-         std::optional<OutputArray> workspace) {
-        const ikbo::Tensor x_c_view = to_tensor(x_c, "x_c");
-        const ikbo::Tensor x_u_view = to_tensor(x_u, "x_u");
-        const ikbo::Tensor out_view = to_tensor(out, "out");
-        const ikbo::Workspace scratch = to_workspace(workspace, plan.device(), "the plan");
-        nb::gil_scoped_release release;
-        ikbo::linear(plan, x_c_view, x_u_view, map, out_view, to_stream(stream), scratch);
-      },
-      "plan"_a, "x_c"_a, "x_u"_a, "map"_a, "out"_a, "stream"_a = 0,
-      "workspace"_a.none() = nb::none(),
+  def_plan_op<ikbo::LinearPlan>(
+      m, "linear", &ikbo::linear, "x_c", "x_u",
       "out[b] = x_c[b] @ w_c^T + x_u[map.cand_to_user[b]] @ w_u^T + bias, written into\n"
       "out [B, N_out]. x_c [B, Kc], x_u [U, Ku], dense row-major, the plan's dtype and\n"
       "device. On CUDA: asynchronous on `stream`; `workspace` is a writable buffer on the\n"
