@@ -146,8 +146,7 @@ struct RingKernel {
 
 bool ring_kernel_available(Device device) {
   const sm90::HopperDevice hopper = sm90::query_device(device.index);
-  return hopper.sm90 && sm90::prepare_kernel(sm90::pipeline_kernel<RingKernel>,
-                                             sm90::kDynamicSharedBytes<RingKernel>, hopper);
+  return hopper.sm90 && sm90::clusters_if_ready<RingKernel>(hopper) > 0;
 }
 
 // The host's value of quad `quad` of thread `thread` of consumer `consumer`

@@ -255,11 +255,11 @@ struct LceSm90Kernel {
     int user = 0;
     if (tile.user) {
       const int index = unit / params.user_splits;
-      const int units_per_item = params.n_blocks / kClusterSize * params.m_blocks;
-      const int within_item = index % units_per_item;
-      tile.batch = index / units_per_item;
-      tile.n_block = within_item / params.m_blocks * kClusterSize + rank;
-      tile.m_block = within_item % params.m_blocks;
+      const int units_per_user = params.n_blocks / kClusterSize * params.m_blocks;
+      const int within_user = index % units_per_user;
+      tile.batch = index / units_per_user;
+      tile.n_block = within_user / params.m_blocks * kClusterSize + rank;
+      tile.m_block = within_user % params.m_blocks;
       user = tile.batch;
     } else {
       const int index = unit - params.num_user_units;
@@ -270,12 +270,14 @@ struct LceSm90Kernel {
       tile.m_block = within_pair % params.m_blocks;
       tile.idle = first + rank >= params.num_candidates;
       if (!with_candidates) return tile;
-      const int last = min(first + kClusterSize, params.num_candidates) - 1;
-      const int first_user = params.cand_to_user[params.candidates_by_user[first]];
-      tile.shared_partial =
-          params.cand_to_user[params.candidates_by_user[last]] == first_user;
-      tile.batch = params.candidates_by_user[tile.idle ? first : first + rank];
+      // This CTA's candidate and its partner's (the same one without a
+      // partner): their users differ only where the pair straddles two.
+      static_assert(kClusterSize == 2, "candidate units pair two candidates");
+      const int mine = tile.idle ? first : first + rank;
+      const int other = rank == 0 ? min(first + 1, params.num_candidates - 1) : first;
+      tile.batch = params.candidates_by_user[mine];
       user = params.cand_to_user[tile.batch];
+      tile.shared_partial = params.cand_to_user[params.candidates_by_user[other]] == user;
     }
     tile.partial_tile =
         (static_cast<std::int64_t>(user) * params.n_blocks + tile.n_block) * params.m_blocks +
@@ -537,15 +539,20 @@ struct PathSwitch;  // tags this path's sm90::enabled_switch
 
 // ---- launch ----
 
+// User units take N blocks in cluster pairs (n_blocks, padded to whole
+// clusters); candidate units take every N block of a pair of candidates.
 struct TileGrid {
-  std::int64_t n_blocks = 0, m_blocks = 0;  // n_blocks padded to whole clusters
+  std::int64_t n_blocks = 0, candidate_n_blocks = 0, m_blocks = 0;
   std::int64_t partial_tiles_per_user() const { return n_blocks * m_blocks; }
-  std::int64_t units_per_item() const { return n_blocks / kClusterSize * m_blocks; }
+  std::int64_t units_per_user() const { return n_blocks / kClusterSize * m_blocks; }
+  std::int64_t candidate_units(std::int64_t num_candidates) const {
+    return (num_candidates + kClusterSize - 1) / kClusterSize * candidate_n_blocks * m_blocks;
+  }
 };
 
 TileGrid tile_grid(std::int64_t m, std::int64_t n) {
   const std::int64_t n_blocks = (n + kBlockN - 1) / kBlockN;
-  return {(n_blocks + kClusterSize - 1) / kClusterSize * kClusterSize,
+  return {(n_blocks + kClusterSize - 1) / kClusterSize * kClusterSize, n_blocks,
           (m + kBlockM - 1) / kBlockM};
 }
 
@@ -649,7 +656,6 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.cand_to_user = args.map->device_view.cand_to_user;
   params.candidates_by_user = args.map->device_view.candidates_by_user;
   params.num_candidates = static_cast<int>(args.num_candidates);
-  params.candidate_n_blocks = static_cast<int>((args.n + kBlockN - 1) / kBlockN);
   params.m = static_cast<int>(plan.m);
   params.n = static_cast<int>(args.n);
   // At least one k-step per held stage of a user unit (k-steps past K
@@ -657,13 +663,12 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.user_k_steps = std::max(k_steps(plan.ku), Kernel::kPartialSteps);
   params.candidate_k_steps = k_steps(plan.kc);
   params.n_blocks = static_cast<int>(grid.n_blocks);
+  params.candidate_n_blocks = static_cast<int>(grid.candidate_n_blocks);
   params.m_blocks = static_cast<int>(grid.m_blocks);
-  const auto num_user_tiles = static_cast<int>(args.num_users * grid.units_per_item());
+  const auto num_user_tiles = static_cast<int>(args.num_users * grid.units_per_user());
   params.user_splits = user_splits<Kernel>(num_user_tiles, params.user_k_steps, max_clusters);
   params.num_user_units = num_user_tiles * params.user_splits;
-  const int num_candidate_units = static_cast<int>(
-      (args.num_candidates + kClusterSize - 1) / kClusterSize * params.candidate_n_blocks *
-      grid.m_blocks);
+  const auto num_candidate_units = static_cast<int>(grid.candidate_units(args.num_candidates));
 
   // The flags; and P where split tiles add into it (it precedes them).
   if (params.user_splits > 1) {
