@@ -358,7 +358,8 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
   // Dense; jagged users shorter than a K/V block (the fixer clears the
   // poisoned rows their block reads); jagged users of more than a block
   // (their last block ends at their last key and reads none of them).
-  const std::vector<std::vector<std::int64_t>> length_sets = {{}, {100, 50, 70}, {300, 50, 200}};
+  const std::vector<std::vector<std::int64_t>> length_sets = {
+      {}, {100, 50, 70}, {40, 50, 70}, {300, 50, 200}};
   for (const auto& lengths : length_sets) {
     const bool jagged = !lengths.empty();
     SCOPED_TRACE(jagged ? "jagged K/V, first length " + std::to_string(lengths[0]) : "dense K/V");

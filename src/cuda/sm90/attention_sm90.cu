@@ -183,6 +183,7 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
 // barrier kTurnBarrier + w.
 constexpr std::uint32_t kTurnBarrier = 1;
+constexpr std::uint32_t kFixBarrier = 3;  // kThree's consumers after clearing V rows
 constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 
 // Keys per K/V block: 128, or 64 at D = 256 (whose O takes 128 of a
@@ -287,27 +288,36 @@ constexpr bool tail_out_of_loop(std::int64_t head_dim) { return head_dim == 128;
 struct MaskWhereKeysEnd {};
 
 template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
-          bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false>
+          bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false,
+          int kConsumers = 2>
 struct AttentionSm90Kernel {
-  static constexpr int kConsumerWarpgroups = 2;
+  // kConsumers = 3 (experiment): 192-row tiles, three consumer warpgroups,
+  // 64-key blocks at D = 128, no look-ahead.
+  static constexpr bool kThree = kConsumers == 3;
+  static_assert(!kThree || (kHeadDim == 128 && !kPingPong && !kLookahead && !kSplitKeys));
+  static constexpr int kConsumerWarpgroups = kConsumers;
+  static constexpr int kTileRows = kWarpgroupRows * kConsumers;
   static constexpr int kClusterSize = 1;
-  static constexpr int kBlockN = block_keys(kHeadDim);
+  static constexpr int kBlockN = kThree ? 64 : block_keys(kHeadDim);
   // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256). At D = 128 a
   // fifth stage lets the next unit's V_0 load while this unit's last blocks
   // are in use (H100, same call: +1.2-1.4% at S = 512 and 1024, level at
   // 2048, -0.5% at 4096; bench/notes/attention_sm90.md, session 19).
-  static constexpr int kStages = kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
+  static constexpr int kStages =
+      kThree ? (kLengthOrder ? 7 : 8) : kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
   static constexpr int kUnitStages = 2;
-  static constexpr int kUnitLoaderWarps = 2;
+  static constexpr int kUnitLoaderWarps = kThree ? 3 : 2;
   static constexpr bool kOwnsConsumerLoop = true;
-  static constexpr bool kFixUpWarp = !kWholeBlocks;
+  // kThree: the loaders take all three spare producer warps, and the
+  // consumers clear the V rows of a short jagged user's block themselves.
+  static constexpr bool kFixUpWarp = !kWholeBlocks && !kThree;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
                 "split keys run the cooperative schedule's general kernel");
   static_assert(!kWholeBlocks || tail_out_of_loop(kHeadDim));
   // 128 x 40 + 256 x 232 <= 64K registers of the SM.
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kProducerRegisters = kThree ? 24 : 40;
+  static constexpr int kConsumerRegisters = kThree ? 160 : 232;
 
   static constexpr int kColumnBlocks = kHeadDim / kSwizzleElements;
   static constexpr int kChunksPerRow = kHeadDim / 8;
@@ -324,10 +334,10 @@ struct AttentionSm90Kernel {
     Element tile[kColumnBlocks][kBlockN * kSwizzleElements];  // K or V block [d block][key][64]
   };
   struct QTile {
-    Element q[kColumnBlocks][kBlockM * kSwizzleElements];  // [d block][row][64]; later O
+    Element q[kColumnBlocks][kTileRows * kSwizzleElements];  // [d block][row][64]; later O
   };
   struct UnitMeta {
-    std::int32_t row_heads[kBlockM];  // the row of q/out as [B * n_seed * H][D], -1: none
+    std::int32_t row_heads[kTileRows];  // the row of q/out as [B * n_seed * H][D], -1: none
     UnitInfo info;                    // the unit, as the loaders described it
   };
   // The tiles, whose sizes are whole swizzle atoms, from the 1024-byte
@@ -359,7 +369,7 @@ struct AttentionSm90Kernel {
 
   // First slot of `user` (see the header comment).
   __device__ static std::int64_t first_slot(const Params& params, int user) {
-    return static_cast<std::int64_t>(params.user_offsets[user]) * params.n_seed / kBlockM + user;
+    return static_cast<std::int64_t>(params.user_offsets[user]) * params.n_seed / kTileRows + user;
   }
 
   // kLengthOrder (jagged K/V, at most kOrderedUsers users): the walk takes
@@ -410,7 +420,7 @@ struct AttentionSm90Kernel {
       order.user[ranks[i]] = u;
       const std::int64_t rows =
           std::int64_t{params.user_offsets[u + 1] - params.user_offsets[u]} * params.n_seed;
-      order.first_slot[ranks[i] + 1] = static_cast<std::int32_t>((rows + kBlockM - 1) / kBlockM);
+      order.first_slot[ranks[i] + 1] = static_cast<std::int32_t>((rows + kTileRows - 1) / kTileRows);
     }
     ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
     if (thread < 32) {
@@ -508,12 +518,12 @@ struct AttentionSm90Kernel {
     UnitInfo info;
     info.head = head;
     info.user = user;
-    info.first_row = static_cast<int>(tile * kBlockM);
+    info.first_row = static_cast<int>(tile * kTileRows);
     info.group_begin = params.user_offsets[user];
     const std::int64_t user_rows =
         std::int64_t{params.user_offsets[user + 1] - info.group_begin} * params.n_seed;
     info.rows = static_cast<int>(
-        std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kBlockM));
+        std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kTileRows));
     if (params.kv_offsets != nullptr) {
       info.kv_row = params.kv_offsets[user];
       info.kv_length = params.kv_offsets[user + 1] - params.kv_offsets[user];
@@ -587,23 +597,29 @@ struct AttentionSm90Kernel {
     }
   }
 
-  // Warps 1-2 of the producer (loader 0 .. 63): warp w gathers rows
-  // 64w .. 64w + 63 of the tile. Each lane finds the rows of q that two
-  // tile rows are (before the slot is free: a dependent load of the
-  // candidate map); the warp then copies kChunksPerRow / 32-row passes,
-  // lane l moving chunk l % kChunksPerRow of a row, so each cp.async
-  // instruction reads whole contiguous rows.
+  // Warps 1 .. kUnitLoaderWarps of the producer: warp w gathers rows
+  // kLoaderRows * w .. kLoaderRows * (w + 1) - 1 of the tile. Each lane
+  // finds the rows of q that kRowsPerLane tile rows are (before the slot is
+  // free: a dependent load of the candidate map); the warp then copies
+  // kChunksPerRow / 32-row passes, lane l moving chunk l % kChunksPerRow of
+  // a row, so each cp.async instruction reads whole contiguous rows.
+  static constexpr int kLoaderRows = kTileRows / kUnitLoaderWarps;
+  static constexpr int kRowsPerLane = kLoaderRows / 32;
+  static_assert(kLoaderRows % 32 == 0);
   struct UnitRows {
-    std::int32_t low, high;  // row_heads of tile rows 64w + l and 64w + 32 + l
+    std::int32_t row[kRowsPerLane];  // row_heads of the warp's rows l, 32 + l, ...
   };
 
   __device__ static UnitRows prepare_unit(const Params& params, const UnitInfo& info,
                                           int loader) {
-    const int first = loader / 32 * kWarpgroupRows + loader % 32;
-    const auto row_head = [&](int row) -> std::int32_t {
-      return row < info.rows ? static_cast<std::int32_t>(query_row(params, info, row)) : -1;
-    };
-    return {row_head(first), row_head(first + 32)};
+    const int first = loader / 32 * kLoaderRows + loader % 32;
+    UnitRows rows;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int row = first + 32 * i;
+      rows.row[i] = row < info.rows ? static_cast<std::int32_t>(query_row(params, info, row)) : -1;
+    }
+    return rows;
   }
 
   __device__ static void load_unit(const Params& params, const UnitInfo& info, int,
@@ -612,22 +628,26 @@ struct AttentionSm90Kernel {
     const int warp = loader / 32, lane = loader % 32;
     UnitMeta& meta = shared.unit_meta[slot];
     if (loader == 0) meta.info = info;
-    const int first = warp * kWarpgroupRows;
+    const int first = warp * kLoaderRows;
     const auto* q = static_cast<const Element*>(params.q);
-    meta.row_heads[first + lane] = rows.low;
-    meta.row_heads[first + 32 + lane] = rows.high;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) meta.row_heads[first + 32 * i + lane] = rows.row[i];
 
     constexpr int kRowsPerPass = 32 / kChunksPerRow;
     const int chunk = lane % kChunksPerRow;
     const std::uint32_t tile = ptx::shared_address(shared.q_tiles[slot].q[0]);
 #pragma unroll 4
-    for (int pass = 0; pass < kWarpgroupRows / kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kLoaderRows / kRowsPerPass; ++pass) {
       const int local = pass * kRowsPerPass + lane / kChunksPerRow;
-      // Every lane of a pass reads from the same half (rows below or above 32).
-      const std::int32_t row =
-          __shfl_sync(kFullWarp, local < 32 ? rows.low : rows.high, local % 32);
+      // Every lane of a pass reads from the same 32 rows.
+      const int part = local / 32;
+      const std::int32_t mine = kRowsPerLane == 2 ? (part == 0 ? rows.row[0] : rows.row[1])
+                                                  : (part == 0   ? rows.row[0]
+                                                     : part == 1 ? rows.row[1]
+                                                                 : rows.row[kRowsPerLane - 1]);
+      const std::int32_t row = __shfl_sync(kFullWarp, mine, local % 32);
       const bool valid = row >= 0;
-      ptx::cp_async_16(tile + tile_offset<kBlockM>(first + local, chunk),
+      ptx::cp_async_16(tile + tile_offset<kTileRows>(first + local, chunk),
                        valid ? q + std::int64_t{row} * kHeadDim + chunk * 8 : q, valid);
     }
     ptx::cp_async_commit();
@@ -820,7 +840,7 @@ struct AttentionSm90Kernel {
 #pragma unroll
     for (int slice = 0; slice < kQkSlices; ++slice) {
       ptx::wgmma_ss<Element, 0, 0, kColumns>(
-          scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
+          scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kTileRows>(slice)),
           ptx::advance_descriptor(k_descriptor, k_slice_offset<kBlockN>(slice)), slice > 0);
     }
     ptx::wgmma_commit_group();
@@ -1048,6 +1068,14 @@ struct AttentionSm90Kernel {
       const int v_stage = steps.wait(last_step);
       if constexpr (kFixUpWarp) {
         if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
+      } else if constexpr (kThree && !kWholeBlocks) {
+        if (fix_up_step(params, info, last_step)) {
+          fix_up(params, info, last_step, shared.stages[v_stage],
+                 consumer * kWarpgroupThreads + thread_index_here() % kWarpgroupThreads,
+                 kConsumers * kWarpgroupThreads);
+          ptx::fence_async_shared();  // the PV below reads the zeros through the async proxy
+          ptx::named_barrier_sync<kConsumers * kWarpgroupThreads>(kFixBarrier);
+        }
       }
       turn_begin(consumer);
       ptx::fence_operands(registers.out_acc);
@@ -1070,11 +1098,13 @@ struct AttentionSm90Kernel {
       for (int block = 1; block < blocks - 1; ++block) {
         next_block(block, std::false_type{}, Whole{});
       }
-      if (blocks > 1 && tail_keys <= kBlockN / 2) {
-        using Half = std::integral_constant<int, kBlockN / 2>;
-        next_block(blocks - 1, std::true_type{}, Half{});
-        last_pv(Half{});
-        return;
+      if constexpr (kBlockN == 128) {  // (no wgmma N = 32 for the 64-key blocks of kThree)
+        if (blocks > 1 && tail_keys <= kBlockN / 2) {
+          using Half = std::integral_constant<int, kBlockN / 2>;
+          next_block(blocks - 1, std::true_type{}, Half{});
+          last_pv(Half{});
+          return;
+        }
       }
       if (blocks > 1) next_block(blocks - 1, std::true_type{}, Whole{});
     } else {
@@ -1117,14 +1147,14 @@ struct AttentionSm90Kernel {
   }
 
   __device__ static void fix_up(const Params&, const UnitInfo& info, int, Stage& stage,
-                                int lane) {
+                                int lane, int lanes = 32) {
     const int keys = last_block_keys(info);
     constexpr int kChunksPerBlockRow = kSwizzleRowBytes / 16;
     const int chunks = (kBlockN - keys) * kChunksPerBlockRow;
 #pragma unroll
     for (int block = 0; block < kColumnBlocks; ++block) {
       auto* rows = reinterpret_cast<uint4*>(stage.tile[block] + keys * kSwizzleElements);
-      for (int chunk = lane; chunk < chunks; chunk += 32) rows[chunk] = make_uint4(0, 0, 0, 0);
+      for (int chunk = lane; chunk < chunks; chunk += lanes) rows[chunk] = make_uint4(0, 0, 0, 0);
     }
   }
 
@@ -1208,7 +1238,7 @@ struct AttentionSm90Kernel {
         return no_keys ? 0u
                        : ptx::pack_pair<Element>(low * inverse_sum[half], high * inverse_sum[half]);
       };
-      ptx::stmatrix_x4(tile + tile_offset<kBlockM>(lane_row, 2 * pair + matrix / 2),
+      ptx::stmatrix_x4(tile + tile_offset<kTileRows>(lane_row, 2 * pair + matrix / 2),
                        pair_at(2 * pair, 0), pair_at(2 * pair, 1), pair_at(2 * pair + 1, 0),
                        pair_at(2 * pair + 1, 1));
     }
@@ -1226,7 +1256,7 @@ struct AttentionSm90Kernel {
     for (int pass = 0; pass < kPasses; ++pass) {
       const int row = warp_rows + pass * kRowsPerPass + lane / kChunksPerRow;
       row_heads[pass] = slot_row_heads[row];
-      chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
+      chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kTileRows>(row, chunk));
     }
     auto* out = static_cast<Element*>(params.out);
 #pragma unroll
@@ -1368,8 +1398,28 @@ void for_each_schedule(Fn&& fn) {
   fn(SplitKeysKernel<Element, kHeadDim>{});
 }
 
+template <typename Element, bool kLengthOrder = false, bool kWholeBlocks = true>
+using ThreeConsumersKernel =
+    AttentionSm90Kernel<Element, 128, false, false, kLengthOrder, kWholeBlocks, false, 3>;
+
+// Experiment: IKBO_EXP_THREE=1 runs dense D = 128 calls whose length is a
+// multiple of 64 on ThreeConsumersKernel.
+bool three_requested() {
+  static const bool requested = [] {
+    const char* value = std::getenv("IKBO_EXP_THREE");
+    return value != nullptr && value[0] == '1';
+  }();
+  return requested;
+}
+
 template <typename Fn>
 void for_each_kernel(Fn&& fn) {
+  fn(ThreeConsumersKernel<__half>{});
+  fn(ThreeConsumersKernel<__nv_bfloat16>{});
+  fn(ThreeConsumersKernel<__half, false, false>{});
+  fn(ThreeConsumersKernel<__nv_bfloat16, false, false>{});
+  fn(ThreeConsumersKernel<__half, true, false>{});
+  fn(ThreeConsumersKernel<__nv_bfloat16, true, false>{});
   for_each_schedule<__half, 64>(fn);
   for_each_schedule<__half, 128>(fn);
   for_each_schedule<__half, 256>(fn);
@@ -1435,7 +1485,7 @@ std::int64_t unit_count(const AttentionArgs& args) {
 
 // K or V in boxes of 64 d x 1 head x block_keys(D) keys (x 1 user).
 template <typename Element>
-CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
+CUtensorMap kv_map(const void* base, const AttentionArgs& args, int block = 0) {
   const auto row_bytes = static_cast<cuuint64_t>(args.head_dim * kElementBytes);
   ptx::TensorMapLayout layout;
   layout.dims[0] = static_cast<cuuint64_t>(args.head_dim);
@@ -1444,7 +1494,7 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
   layout.strides_bytes[1] = row_bytes * static_cast<cuuint64_t>(args.heads);
   layout.box[0] = kSwizzleElements;
   layout.box[1] = 1;
-  layout.box[2] = static_cast<cuuint32_t>(block_keys(args.head_dim));
+  layout.box[2] = static_cast<cuuint32_t>(block > 0 ? block : block_keys(args.head_dim));
   if (args.kv_offsets != nullptr) {
     layout.rank = 3;
     layout.dims[2] = static_cast<cuuint64_t>(kv_rows(args));
@@ -1533,6 +1583,29 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
           <<<tiles * (kBlockM / kCombineRows), kCombineRows * 32, 0, stream>>>(params);
       check_launch("attention_sm90 (combine_split_keys)");
     });
+    return;
+  }
+  if (three_requested() && args.head_dim == 128 &&
+      schedule == AttentionSm90Schedule::cooperative_lookahead) {
+    const auto run = [&](auto kernel_traits) {
+      using Kernel = decltype(kernel_traits);
+      params.num_units = static_cast<int>(
+          args.heads * (args.num_candidates * args.n_seed / Kernel::kTileRows + args.num_users));
+      params.keys = kv_map<Element>(args.k, args, Kernel::kBlockN);
+      params.values = kv_map<Element>(args.v, args, Kernel::kBlockN);
+      launch<Kernel>(params, multiprocessors, stream);
+    };
+    if (args.kv_offsets == nullptr) {
+      if (args.dense_seq_len % 64 == 0) {
+        run(ThreeConsumersKernel<Element>{});
+      } else {
+        run(ThreeConsumersKernel<Element, false, false>{});
+      }
+    } else if (args.num_users <= length_order_users(args.head_dim)) {
+      run(ThreeConsumersKernel<Element, true, false>{});
+    } else {
+      run(ThreeConsumersKernel<Element, false, false>{});
+    }
     return;
   }
   KeyWalk keys = KeyWalk::any;
