@@ -59,7 +59,7 @@
 //              block, whose rows past the user's end are the next user's,
 //              or zeros past the tensor: producer warp 3, the pipeline's
 //              fixer, clears those V rows before the consumers read them).
-//   Q ring     2 slots of one unit's 128 x D query tile, and beside the
+//   Q ring     2 slots of one unit's 128 x D query tile (192 x D: kTall), and beside the
 //              tiles each slot's row of q/out for every tile row (-1: past
 //              the user's rows) and the unit's description (every unit
 //              has a slot, empty or not).
@@ -111,6 +111,19 @@
 // ordinary instruction may define accumulator registers while a product is
 // in flight (ptxas would serialize every wgmma of the kernel), hence the
 // scale-d = 0 start of O.
+//
+// Tall units (jagged K/V at D = 128, default schedule): 192-row tiles over
+// three consumer warpgroups (512 threads; producer at 24 registers,
+// consumers at 160) and K/V blocks of 64 keys, without the look-ahead. A
+// jagged user's last block is half empty on average, and a block costs
+// about the same whatever its width, so narrower blocks waste less; the
+// third warpgroup hides the extra waits that 64-key blocks cost two of
+// them (12-13% slower, bench/notes/attention_sm90.md, session 23). H100,
+// session 31, lengths uniform in [S/2, 3S/2]: 4.4 / 1.9 / 0.6 / 0.5% faster
+// than the two-warpgroup kernel at S = 512 / 1024 / 2048 / 4096 (dense
+// calls keep it: level there, and 192-row tiles round B = 2048's units up
+// by more). The producer's three spare warps all gather Q, so the
+// consumers clear a short user's V rows themselves (fix_up).
 //
 // Ping-pong (AttentionSm90Schedule::ping_pong): each consumer issues its
 // GEMMs of a step only in its turn, named barrier 1 + consumer, and passes
@@ -183,7 +196,7 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
 // barrier kTurnBarrier + w.
 constexpr std::uint32_t kTurnBarrier = 1;
-constexpr std::uint32_t kFixBarrier = 3;  // kThree's consumers after clearing V rows
+constexpr std::uint32_t kFixBarrier = 3;  // kTall's consumers after clearing V rows
 constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 
 // Keys per K/V block: 128, or 64 at D = 256 (whose O takes 128 of a
@@ -291,33 +304,39 @@ template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
           bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false,
           int kConsumers = 2>
 struct AttentionSm90Kernel {
-  // kConsumers = 3 (experiment): 192-row tiles, three consumer warpgroups,
-  // 64-key blocks at D = 128, no look-ahead.
-  static constexpr bool kThree = kConsumers == 3;
-  static_assert(!kThree || (kHeadDim == 128 && !kPingPong && !kLookahead && !kSplitKeys));
+  // kConsumers = 3 (kTall, jagged K/V at D = 128; see the header comment):
+  // 192-row tiles over three consumer warpgroups and 64-key blocks, without
+  // the look-ahead, whose copy of O the consumers' 160 registers have no
+  // room for.
+  static constexpr bool kTall = kConsumers == 3;
+  static_assert(!kTall || (kHeadDim == 128 && !kPingPong && !kLookahead && !kSplitKeys &&
+                           !kWholeBlocks));
   static constexpr int kConsumerWarpgroups = kConsumers;
   static constexpr int kTileRows = kWarpgroupRows * kConsumers;
   static constexpr int kClusterSize = 1;
-  static constexpr int kBlockN = kThree ? 64 : block_keys(kHeadDim);
-  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256). At D = 128 a
+  static constexpr int kBlockN = kTall ? 64 : block_keys(kHeadDim);
+  // K/V stages of 16 KiB (D = 64, kTall) or 32 KiB (D = 128, 256). kTall
+  // fills what its two 48 KiB Q slots leave (seven stages beside the walk
+  // table of kLengthOrder). At D = 128 a
   // fifth stage lets the next unit's V_0 load while this unit's last blocks
   // are in use (H100, same call: +1.2-1.4% at S = 512 and 1024, level at
   // 2048, -0.5% at 4096; bench/notes/attention_sm90.md, session 19).
   static constexpr int kStages =
-      kThree ? (kLengthOrder ? 7 : 8) : kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
+      kTall ? (kLengthOrder ? 7 : 8) : kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
   static constexpr int kUnitStages = 2;
-  static constexpr int kUnitLoaderWarps = kThree ? 3 : 2;
+  static constexpr int kUnitLoaderWarps = kTall ? 3 : 2;
   static constexpr bool kOwnsConsumerLoop = true;
-  // kThree: the loaders take all three spare producer warps, and the
-  // consumers clear the V rows of a short jagged user's block themselves.
-  static constexpr bool kFixUpWarp = !kWholeBlocks && !kThree;
+  // kTall: the loaders take all three warps the producer has beside the
+  // TMA thread's, and the consumers clear the V rows of a short jagged
+  // user's block themselves (fix_up).
+  static constexpr bool kFixUpWarp = !kWholeBlocks && !kTall;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
                 "split keys run the cooperative schedule's general kernel");
   static_assert(!kWholeBlocks || tail_out_of_loop(kHeadDim));
-  // 128 x 40 + 256 x 232 <= 64K registers of the SM.
-  static constexpr int kProducerRegisters = kThree ? 24 : 40;
-  static constexpr int kConsumerRegisters = kThree ? 160 : 232;
+  // 128 x 40 + 256 x 232 (kTall: 128 x 24 + 384 x 160) <= 64K registers of the SM.
+  static constexpr int kProducerRegisters = kTall ? 24 : 40;
+  static constexpr int kConsumerRegisters = kTall ? 160 : 232;
 
   static constexpr int kColumnBlocks = kHeadDim / kSwizzleElements;
   static constexpr int kChunksPerRow = kHeadDim / 8;
@@ -1068,7 +1087,7 @@ struct AttentionSm90Kernel {
       const int v_stage = steps.wait(last_step);
       if constexpr (kFixUpWarp) {
         if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
-      } else if constexpr (kThree && !kWholeBlocks) {
+      } else if constexpr (kTall) {
         if (fix_up_step(params, info, last_step)) {
           fix_up(params, info, last_step, shared.stages[v_stage],
                  consumer * kWarpgroupThreads + thread_index_here() % kWarpgroupThreads,
@@ -1098,7 +1117,7 @@ struct AttentionSm90Kernel {
       for (int block = 1; block < blocks - 1; ++block) {
         next_block(block, std::false_type{}, Whole{});
       }
-      if constexpr (kBlockN == 128) {  // (no wgmma N = 32 for the 64-key blocks of kThree)
+      if constexpr (kBlockN == 128) {  // (kTall's 64-key blocks have no half-width tail)
         if (blocks > 1 && tail_keys <= kBlockN / 2) {
           using Half = std::integral_constant<int, kBlockN / 2>;
           next_block(blocks - 1, std::true_type{}, Half{});
@@ -1342,17 +1361,18 @@ struct DeviceSupport {
 
 // The default schedule's kernels for the keys of a call (with_schedule).
 enum class KeyWalk {
-  any,             // masked last blocks where a user's keys end inside one
+  any,             // dense K/V, masked last blocks where the keys end inside one
   whole_blocks,    // dense K/V in whole blocks: kWholeBlocks, where D has it
-  length_ordered,  // jagged K/V of few users: kLengthOrder
+  length_ordered,  // jagged K/V of few users: kLengthOrder (kTall at D = 128)
+  jagged,          // jagged K/V of more users (kTall at D = 128)
 };
 
 // Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
 // *_lookahead schedule runs without the look-ahead, see the header comment).
 // For the default schedule, `keys` picks the kWholeBlocks kernel (where D
-// has one) or the kLengthOrder kernel (where D has room for its table); the
-// other schedules, kept for comparison, take every call with the general
-// kernel.
+// has one), the kLengthOrder kernel (where D has room for its table), or at
+// D = 128 for jagged K/V the kTall kernels; the other schedules, kept for
+// comparison, take every call with the general kernel.
 template <typename Element, int kHeadDim, typename Fn>
 void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
   constexpr bool kLookahead = kHeadDim <= 128;
@@ -1364,6 +1384,14 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
     case AttentionSm90Schedule::ping_pong_lookahead:
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
+      if constexpr (kHeadDim == 128) {
+        if (keys == KeyWalk::length_ordered) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false, 3>{});
+        }
+        if (keys == KeyWalk::jagged) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, false, 3>{});
+        }
+      }
       if constexpr (length_order_users(kHeadDim) > 0) {
         if (keys == KeyWalk::length_ordered) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, true>{});
@@ -1395,31 +1423,15 @@ void for_each_schedule(Fn&& fn) {
     with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
                                      KeyWalk::length_ordered, fn);
   }
+  if constexpr (kHeadDim == 128) {
+    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
+                                     KeyWalk::jagged, fn);
+  }
   fn(SplitKeysKernel<Element, kHeadDim>{});
-}
-
-template <typename Element, bool kLengthOrder = false, bool kWholeBlocks = true>
-using ThreeConsumersKernel =
-    AttentionSm90Kernel<Element, 128, false, false, kLengthOrder, kWholeBlocks, false, 3>;
-
-// Experiment: IKBO_EXP_THREE=1 runs dense D = 128 calls whose length is a
-// multiple of 64 on ThreeConsumersKernel.
-bool three_requested() {
-  static const bool requested = [] {
-    const char* value = std::getenv("IKBO_EXP_THREE");
-    return value != nullptr && value[0] == '1';
-  }();
-  return requested;
 }
 
 template <typename Fn>
 void for_each_kernel(Fn&& fn) {
-  fn(ThreeConsumersKernel<__half>{});
-  fn(ThreeConsumersKernel<__nv_bfloat16>{});
-  fn(ThreeConsumersKernel<__half, false, false>{});
-  fn(ThreeConsumersKernel<__nv_bfloat16, false, false>{});
-  fn(ThreeConsumersKernel<__half, true, false>{});
-  fn(ThreeConsumersKernel<__nv_bfloat16, true, false>{});
   for_each_schedule<__half, 64>(fn);
   for_each_schedule<__half, 128>(fn);
   for_each_schedule<__half, 256>(fn);
@@ -1478,12 +1490,14 @@ std::int64_t kv_rows(const AttentionArgs& args) {
                                     : args.num_users * args.dense_seq_len;
 }
 
-// Units of the walk: H * (floor(B * n_seed / 128) + U), see the header comment.
-std::int64_t unit_count(const AttentionArgs& args) {
-  return args.heads * (args.num_candidates * args.n_seed / kBlockM + args.num_users);
+// Units of the walk: H * (floor(B * n_seed / rows) + U) for tiles of `rows`
+// query rows (kTall: 192), see the header comment.
+std::int64_t unit_count(const AttentionArgs& args, int tile_rows = kBlockM) {
+  return args.heads * (args.num_candidates * args.n_seed / tile_rows + args.num_users);
 }
 
-// K or V in boxes of 64 d x 1 head x block_keys(D) keys (x 1 user).
+// K or V in boxes of 64 d x 1 head x `block` keys (x 1 user); block_keys(D)
+// unless given.
 template <typename Element>
 CUtensorMap kv_map(const void* base, const AttentionArgs& args, int block = 0) {
   const auto row_bytes = static_cast<cuuint64_t>(args.head_dim * kElementBytes);
@@ -1542,10 +1556,20 @@ void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t
 }
 
 template <typename Element, int kHeadDim>
-void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
-                     KeyWalk keys, int multiprocessors, cudaStream_t stream) {
+void launch_schedule(const AttentionArgs& args, const AttentionSm90Params& params,
+                     AttentionSm90Schedule schedule, KeyWalk keys, int multiprocessors,
+                     cudaStream_t stream) {
   with_schedule<Element, kHeadDim>(schedule, keys, [&](auto kernel_traits) {
-    launch<decltype(kernel_traits)>(params, multiprocessors, stream);
+    using Kernel = decltype(kernel_traits);
+    if constexpr (Kernel::kTall) {
+      AttentionSm90Params tall = params;
+      tall.num_units = static_cast<int>(unit_count(args, Kernel::kTileRows));
+      tall.keys = kv_map<Element>(args.k, args, Kernel::kBlockN);
+      tall.values = kv_map<Element>(args.v, args, Kernel::kBlockN);
+      launch<Kernel>(tall, multiprocessors, stream);
+    } else {
+      launch<Kernel>(params, multiprocessors, stream);
+    }
   });
 }
 
@@ -1585,38 +1609,16 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
     });
     return;
   }
-  if (three_requested() && args.head_dim == 128 &&
-      schedule == AttentionSm90Schedule::cooperative_lookahead) {
-    const auto run = [&](auto kernel_traits) {
-      using Kernel = decltype(kernel_traits);
-      params.num_units = static_cast<int>(
-          args.heads * (args.num_candidates * args.n_seed / Kernel::kTileRows + args.num_users));
-      params.keys = kv_map<Element>(args.k, args, Kernel::kBlockN);
-      params.values = kv_map<Element>(args.v, args, Kernel::kBlockN);
-      launch<Kernel>(params, multiprocessors, stream);
-    };
-    if (args.kv_offsets == nullptr) {
-      if (args.dense_seq_len % 64 == 0) {
-        run(ThreeConsumersKernel<Element>{});
-      } else {
-        run(ThreeConsumersKernel<Element, false, false>{});
-      }
-    } else if (args.num_users <= length_order_users(args.head_dim)) {
-      run(ThreeConsumersKernel<Element, true, false>{});
-    } else {
-      run(ThreeConsumersKernel<Element, false, false>{});
-    }
-    return;
-  }
   KeyWalk keys = KeyWalk::any;
   if (args.kv_offsets == nullptr) {
     if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
-  } else if (args.num_users <= length_order_users(args.head_dim)) {
-    keys = KeyWalk::length_ordered;
+  } else {
+    keys = args.num_users <= length_order_users(args.head_dim) ? KeyWalk::length_ordered
+                                                                : KeyWalk::jagged;
   }
   with_head_dim(args, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    launch_schedule<Element, kHeadDim>(params, schedule, keys, multiprocessors, stream);
+    launch_schedule<Element, kHeadDim>(args, params, schedule, keys, multiprocessors, stream);
   });
 }
 
