@@ -58,16 +58,17 @@
 //              softmax masks; a user with fewer than kBlockN keys has one
 //              block, whose rows past the user's end are the next user's,
 //              or zeros past the tensor: producer warp 3, the pipeline's
-//              fixer, clears those V rows before the consumers read them).
-//   Q ring     2 slots of one unit's 128 x D query tile (192 x D: kTall), and beside the
-//              tiles each slot's row of q/out for every tile row (-1: past
-//              the user's rows) and the unit's description (every unit
-//              has a slot, empty or not).
+//              fixer (kTall: the consumers), clears those V rows before
+//              the consumers read them).
+//   Q ring     2 slots of one unit's 128 x D query tile (192 x D: kTall),
+//              and beside the tiles each slot's row of q/out for every
+//              tile row (-1: past the user's rows) and the unit's
+//              description (every unit has a slot, empty or not).
 //              Query rows come from several candidates, so producer warps
-//              1-2 gather them with 16-byte cp.async (rows past the user's
-//              rows zero-filled), wait, fence.proxy.async (wgmma reads
-//              through the async proxy what cp.async wrote through the
-//              generic one) and arrive on the slot's barrier. Double
+//              1-2 (1-3: kTall) gather them with 16-byte cp.async (rows
+//              past the user's rows zero-filled), wait, fence.proxy.async
+//              (wgmma reads through the async proxy what cp.async wrote
+//              through the generic one) and arrive on the slot's barrier. Double
 //              buffering lets the next unit's gather overlap this unit.
 //   O staging  each consumer warpgroup stages its normalized output in its
 //              own 64 rows of the unit's Q slot once its last QK^T retired
@@ -317,18 +318,18 @@ struct AttentionSm90Kernel {
   static constexpr int kBlockN = kTall ? 64 : block_keys(kHeadDim);
   // K/V stages of 16 KiB (D = 64, kTall) or 32 KiB (D = 128, 256). kTall
   // fills what its two 48 KiB Q slots leave (seven stages beside the walk
-  // table of kLengthOrder). At D = 128 a
-  // fifth stage lets the next unit's V_0 load while this unit's last blocks
-  // are in use (H100, same call: +1.2-1.4% at S = 512 and 1024, level at
-  // 2048, -0.5% at 4096; bench/notes/attention_sm90.md, session 19).
+  // table of kLengthOrder). At D = 128 a fifth stage lets the next unit's
+  // V_0 load while this unit's last blocks are in use (H100, same call:
+  // +1.2-1.4% at S = 512 and 1024, level at 2048, -0.5% at 4096;
+  // bench/notes/attention_sm90.md, session 19).
   static constexpr int kStages =
       kTall ? (kLengthOrder ? 7 : 8) : kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
   static constexpr int kUnitStages = 2;
-  static constexpr int kUnitLoaderWarps = kTall ? 3 : 2;
+  static constexpr int kUnitLoaderWarps = kConsumers;
   static constexpr bool kOwnsConsumerLoop = true;
-  // kTall: the loaders take all three warps the producer has beside the
-  // TMA thread's, and the consumers clear the V rows of a short jagged
-  // user's block themselves (fix_up).
+  // kTall: a loader warp per consumer warpgroup takes all three warps the
+  // producer has beside the TMA thread's, and the consumers clear the V rows
+  // of a short jagged user's block themselves (fix_up).
   static constexpr bool kFixUpWarp = !kWholeBlocks && !kTall;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
@@ -439,7 +440,8 @@ struct AttentionSm90Kernel {
       order.user[ranks[i]] = u;
       const std::int64_t rows =
           std::int64_t{params.user_offsets[u + 1] - params.user_offsets[u]} * params.n_seed;
-      order.first_slot[ranks[i] + 1] = static_cast<std::int32_t>((rows + kTileRows - 1) / kTileRows);
+      order.first_slot[ranks[i] + 1] =
+          static_cast<std::int32_t>((rows + kTileRows - 1) / kTileRows);
     }
     ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
     if (thread < 32) {
@@ -616,29 +618,24 @@ struct AttentionSm90Kernel {
     }
   }
 
-  // Warps 1 .. kUnitLoaderWarps of the producer: warp w gathers rows
-  // kLoaderRows * w .. kLoaderRows * (w + 1) - 1 of the tile. Each lane
-  // finds the rows of q that kRowsPerLane tile rows are (before the slot is
-  // free: a dependent load of the candidate map); the warp then copies
+  // Warps 1 .. kUnitLoaderWarps of the producer (loader 0 .. 64 *
+  // kUnitLoaderWarps - 1): warp w gathers rows 64w .. 64w + 63 of the tile.
+  // Each lane finds the rows of q that two tile rows are (before the slot
+  // is free: a dependent load of the candidate map); the warp then copies
   // kChunksPerRow / 32-row passes, lane l moving chunk l % kChunksPerRow of
   // a row, so each cp.async instruction reads whole contiguous rows.
-  static constexpr int kLoaderRows = kTileRows / kUnitLoaderWarps;
-  static constexpr int kRowsPerLane = kLoaderRows / 32;
-  static_assert(kLoaderRows % 32 == 0);
+  static_assert(kUnitLoaderWarps * kWarpgroupRows == kTileRows);
   struct UnitRows {
-    std::int32_t row[kRowsPerLane];  // row_heads of the warp's rows l, 32 + l, ...
+    std::int32_t low, high;  // row_heads of tile rows 64w + l and 64w + 32 + l
   };
 
   __device__ static UnitRows prepare_unit(const Params& params, const UnitInfo& info,
                                           int loader) {
-    const int first = loader / 32 * kLoaderRows + loader % 32;
-    UnitRows rows;
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      const int row = first + 32 * i;
-      rows.row[i] = row < info.rows ? static_cast<std::int32_t>(query_row(params, info, row)) : -1;
-    }
-    return rows;
+    const int first = loader / 32 * kWarpgroupRows + loader % 32;
+    const auto row_head = [&](int row) -> std::int32_t {
+      return row < info.rows ? static_cast<std::int32_t>(query_row(params, info, row)) : -1;
+    };
+    return {row_head(first), row_head(first + 32)};
   }
 
   __device__ static void load_unit(const Params& params, const UnitInfo& info, int,
@@ -647,24 +644,20 @@ struct AttentionSm90Kernel {
     const int warp = loader / 32, lane = loader % 32;
     UnitMeta& meta = shared.unit_meta[slot];
     if (loader == 0) meta.info = info;
-    const int first = warp * kLoaderRows;
+    const int first = warp * kWarpgroupRows;
     const auto* q = static_cast<const Element*>(params.q);
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) meta.row_heads[first + 32 * i + lane] = rows.row[i];
+    meta.row_heads[first + lane] = rows.low;
+    meta.row_heads[first + 32 + lane] = rows.high;
 
     constexpr int kRowsPerPass = 32 / kChunksPerRow;
     const int chunk = lane % kChunksPerRow;
     const std::uint32_t tile = ptx::shared_address(shared.q_tiles[slot].q[0]);
 #pragma unroll 4
-    for (int pass = 0; pass < kLoaderRows / kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kWarpgroupRows / kRowsPerPass; ++pass) {
       const int local = pass * kRowsPerPass + lane / kChunksPerRow;
-      // Every lane of a pass reads from the same 32 rows.
-      const int part = local / 32;
-      const std::int32_t mine = kRowsPerLane == 2 ? (part == 0 ? rows.row[0] : rows.row[1])
-                                                  : (part == 0   ? rows.row[0]
-                                                     : part == 1 ? rows.row[1]
-                                                                 : rows.row[kRowsPerLane - 1]);
-      const std::int32_t row = __shfl_sync(kFullWarp, mine, local % 32);
+      // Every lane of a pass reads from the same half (rows below or above 32).
+      const std::int32_t row =
+          __shfl_sync(kFullWarp, local < 32 ? rows.low : rows.high, local % 32);
       const bool valid = row >= 0;
       ptx::cp_async_16(tile + tile_offset<kTileRows>(first + local, chunk),
                        valid ? q + std::int64_t{row} * kHeadDim + chunk * 8 : q, valid);
