@@ -304,8 +304,19 @@ TEST_P(AttentionSm90VsReference, MatchesReferenceAndPortablePathAndRepeatsBitwis
   EXPECT_TRUE(exactly_equal(cooperative, hopper)) << "cooperative differs from ping-pong";
   EXPECT_TRUE(exactly_equal(ping_pong_lookahead, hopper))
       << "ping_pong_lookahead differs from ping-pong";
-  EXPECT_TRUE(exactly_equal(cooperative_lookahead, hopper))
-      << "cooperative_lookahead differs from ping-pong";
+  // Jagged K/V at D = 128: the default schedule runs tall units over 64-key
+  // blocks, whose online softmax sums differently from 128-key blocks.
+  const bool tall = test_case.jagged() && test_case.head_dim == 128;
+  if (tall) {
+    EXPECT_TRUE(matches_reference(cooperative_lookahead, expected, dtype()));
+    EXPECT_TRUE(empty_histories_give_zeros(inputs, cooperative_lookahead));
+    EXPECT_TRUE(exactly_equal(problem.run(Path::cooperative_lookahead), cooperative_lookahead))
+        << "two runs of the default schedule on identical inputs differ";
+    EXPECT_LE(max_abs_error(cooperative_lookahead, expected), dtype() == DType::f16 ? 2e-3 : 8e-3);
+  } else {
+    EXPECT_TRUE(exactly_equal(cooperative_lookahead, hopper))
+        << "cooperative_lookahead differs from ping-pong";
+  }
   EXPECT_TRUE(matches_reference(portable, expected, dtype()));
   const double hopper_error = max_abs_error(hopper, expected);
   const double portable_error = max_abs_error(portable, expected);
@@ -326,7 +337,7 @@ TEST_P(AttentionSm90VsReference, MatchesReferenceAndPortablePathAndRepeatsBitwis
   EXPECT_TRUE(empty_histories_give_zeros(inputs, split));
   EXPECT_TRUE(exactly_equal(split_again, split)) << "two split runs on identical inputs differ";
   if (!splits) {
-    EXPECT_TRUE(exactly_equal(split, hopper)) << "an unsplit call differs";
+    EXPECT_TRUE(exactly_equal(split, cooperative_lookahead)) << "an unsplit call differs";
   }
   const double split_error = max_abs_error(split, expected);
   EXPECT_LE(split_error, dtype() == DType::f16 ? 2e-3 : 8e-3);
@@ -358,7 +369,8 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
   // Dense; jagged users shorter than a K/V block (the fixer clears the
   // poisoned rows their block reads); jagged users of more than a block
   // (their last block ends at their last key and reads none of them).
-  const std::vector<std::vector<std::int64_t>> length_sets = {{}, {100, 50, 70}, {300, 50, 200}};
+  const std::vector<std::vector<std::int64_t>> length_sets = {
+      {}, {100, 50, 70}, {40, 50, 70}, {300, 50, 200}};
   for (const auto& lengths : length_sets) {
     const bool jagged = !lengths.empty();
     SCOPED_TRACE(jagged ? "jagged K/V, first length " + std::to_string(lengths[0]) : "dense K/V");

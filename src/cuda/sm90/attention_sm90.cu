@@ -58,16 +58,17 @@
 //              softmax masks; a user with fewer than kBlockN keys has one
 //              block, whose rows past the user's end are the next user's,
 //              or zeros past the tensor: producer warp 3, the pipeline's
-//              fixer, clears those V rows before the consumers read them).
-//   Q ring     2 slots of one unit's 128 x D query tile, and beside the
-//              tiles each slot's row of q/out for every tile row (-1: past
-//              the user's rows) and the unit's description (every unit
-//              has a slot, empty or not).
+//              fixer (kTall: the consumers), clears those V rows before
+//              the consumers read them).
+//   Q ring     2 slots of one unit's 128 x D query tile (192 x D: kTall),
+//              and beside the tiles each slot's row of q/out for every
+//              tile row (-1: past the user's rows) and the unit's
+//              description (every unit has a slot, empty or not).
 //              Query rows come from several candidates, so producer warps
-//              1-2 gather them with 16-byte cp.async (rows past the user's
-//              rows zero-filled), wait, fence.proxy.async (wgmma reads
-//              through the async proxy what cp.async wrote through the
-//              generic one) and arrive on the slot's barrier. Double
+//              1-2 (1-3: kTall) gather them with 16-byte cp.async (rows
+//              past the user's rows zero-filled), wait, fence.proxy.async
+//              (wgmma reads through the async proxy what cp.async wrote
+//              through the generic one) and arrive on the slot's barrier. Double
 //              buffering lets the next unit's gather overlap this unit.
 //   O staging  each consumer warpgroup stages its normalized output in its
 //              own 64 rows of the unit's Q slot once its last QK^T retired
@@ -111,6 +112,19 @@
 // ordinary instruction may define accumulator registers while a product is
 // in flight (ptxas would serialize every wgmma of the kernel), hence the
 // scale-d = 0 start of O.
+//
+// Tall units (jagged K/V at D = 128, default schedule): 192-row tiles over
+// three consumer warpgroups (512 threads; producer at 24 registers,
+// consumers at 160) and K/V blocks of 64 keys, without the look-ahead. A
+// jagged user's last block is half empty on average, and a block costs
+// about the same whatever its width, so narrower blocks waste less; the
+// third warpgroup hides the extra waits that 64-key blocks cost two of
+// them (12-13% slower, bench/notes/attention_sm90.md, session 23). H100,
+// session 31, lengths uniform in [S/2, 3S/2]: 4.4 / 1.9 / 0.6 / 0.5% faster
+// than the two-warpgroup kernel at S = 512 / 1024 / 2048 / 4096 (dense
+// calls keep it: level there, and 192-row tiles round B = 2048's units up
+// by more). The producer's three spare warps all gather Q, so the
+// consumers clear a short user's V rows themselves (fix_up).
 //
 // Ping-pong (AttentionSm90Schedule::ping_pong): each consumer issues its
 // GEMMs of a step only in its turn, named barrier 1 + consumer, and passes
@@ -183,6 +197,7 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // Named barriers (0 is __syncthreads): consumer w's ping-pong turn is
 // barrier kTurnBarrier + w.
 constexpr std::uint32_t kTurnBarrier = 1;
+constexpr std::uint32_t kFixBarrier = 3;  // kTall's consumers after clearing V rows
 constexpr int kConsumerThreads = 2 * kWarpgroupThreads;
 
 // Keys per K/V block: 128, or 64 at D = 256 (whose O takes 128 of a
@@ -287,27 +302,42 @@ constexpr bool tail_out_of_loop(std::int64_t head_dim) { return head_dim == 128;
 struct MaskWhereKeysEnd {};
 
 template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
-          bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false>
+          bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false,
+          int kConsumers = 2>
 struct AttentionSm90Kernel {
-  static constexpr int kConsumerWarpgroups = 2;
+  // kConsumers = 3 (kTall, jagged K/V at D = 128; see the header comment):
+  // 192-row tiles over three consumer warpgroups and 64-key blocks, without
+  // the look-ahead, whose copy of O the consumers' 160 registers have no
+  // room for.
+  static constexpr bool kTall = kConsumers == 3;
+  static_assert(!kTall || (kHeadDim == 128 && !kPingPong && !kLookahead && !kSplitKeys &&
+                           !kWholeBlocks));
+  static constexpr int kConsumerWarpgroups = kConsumers;
+  static constexpr int kTileRows = kWarpgroupRows * kConsumers;
   static constexpr int kClusterSize = 1;
-  static constexpr int kBlockN = block_keys(kHeadDim);
-  // K/V stages of 16 KiB (D = 64) or 32 KiB (D = 128, 256). At D = 128 a
-  // fifth stage lets the next unit's V_0 load while this unit's last blocks
-  // are in use (H100, same call: +1.2-1.4% at S = 512 and 1024, level at
-  // 2048, -0.5% at 4096; bench/notes/attention_sm90.md, session 19).
-  static constexpr int kStages = kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
+  static constexpr int kBlockN = kTall ? 64 : block_keys(kHeadDim);
+  // K/V stages of 16 KiB (D = 64, kTall) or 32 KiB (D = 128, 256). kTall
+  // fills what its two 48 KiB Q slots leave (seven stages beside the walk
+  // table of kLengthOrder). At D = 128 a fifth stage lets the next unit's
+  // V_0 load while this unit's last blocks are in use (H100, same call:
+  // +1.2-1.4% at S = 512 and 1024, level at 2048, -0.5% at 4096;
+  // bench/notes/attention_sm90.md, session 19).
+  static constexpr int kStages =
+      kTall ? (kLengthOrder ? 7 : 8) : kHeadDim == 64 ? 8 : kHeadDim == 128 ? 5 : 3;
   static constexpr int kUnitStages = 2;
-  static constexpr int kUnitLoaderWarps = 2;
+  static constexpr int kUnitLoaderWarps = kConsumers;
   static constexpr bool kOwnsConsumerLoop = true;
-  static constexpr bool kFixUpWarp = !kWholeBlocks;
+  // kTall: a loader warp per consumer warpgroup takes all three warps the
+  // producer has beside the TMA thread's, and the consumers clear the V rows
+  // of a short jagged user's block themselves (fix_up).
+  static constexpr bool kFixUpWarp = !kWholeBlocks && !kTall;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
                 "split keys run the cooperative schedule's general kernel");
   static_assert(!kWholeBlocks || tail_out_of_loop(kHeadDim));
-  // 128 x 40 + 256 x 232 <= 64K registers of the SM.
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  // 128 x 40 + 256 x 232 (kTall: 128 x 24 + 384 x 160) <= 64K registers of the SM.
+  static constexpr int kProducerRegisters = kTall ? 24 : 40;
+  static constexpr int kConsumerRegisters = kTall ? 160 : 232;
 
   static constexpr int kColumnBlocks = kHeadDim / kSwizzleElements;
   static constexpr int kChunksPerRow = kHeadDim / 8;
@@ -324,10 +354,10 @@ struct AttentionSm90Kernel {
     Element tile[kColumnBlocks][kBlockN * kSwizzleElements];  // K or V block [d block][key][64]
   };
   struct QTile {
-    Element q[kColumnBlocks][kBlockM * kSwizzleElements];  // [d block][row][64]; later O
+    Element q[kColumnBlocks][kTileRows * kSwizzleElements];  // [d block][row][64]; later O
   };
   struct UnitMeta {
-    std::int32_t row_heads[kBlockM];  // the row of q/out as [B * n_seed * H][D], -1: none
+    std::int32_t row_heads[kTileRows];  // the row of q/out as [B * n_seed * H][D], -1: none
     UnitInfo info;                    // the unit, as the loaders described it
   };
   // The tiles, whose sizes are whole swizzle atoms, from the 1024-byte
@@ -359,7 +389,7 @@ struct AttentionSm90Kernel {
 
   // First slot of `user` (see the header comment).
   __device__ static std::int64_t first_slot(const Params& params, int user) {
-    return static_cast<std::int64_t>(params.user_offsets[user]) * params.n_seed / kBlockM + user;
+    return static_cast<std::int64_t>(params.user_offsets[user]) * params.n_seed / kTileRows + user;
   }
 
   // kLengthOrder (jagged K/V, at most kOrderedUsers users): the walk takes
@@ -410,7 +440,8 @@ struct AttentionSm90Kernel {
       order.user[ranks[i]] = u;
       const std::int64_t rows =
           std::int64_t{params.user_offsets[u + 1] - params.user_offsets[u]} * params.n_seed;
-      order.first_slot[ranks[i] + 1] = static_cast<std::int32_t>((rows + kBlockM - 1) / kBlockM);
+      order.first_slot[ranks[i] + 1] =
+          static_cast<std::int32_t>((rows + kTileRows - 1) / kTileRows);
     }
     ptx::named_barrier_sync<kThreads>(sm90::kPrepareWalkBarrier);
     if (thread < 32) {
@@ -508,12 +539,12 @@ struct AttentionSm90Kernel {
     UnitInfo info;
     info.head = head;
     info.user = user;
-    info.first_row = static_cast<int>(tile * kBlockM);
+    info.first_row = static_cast<int>(tile * kTileRows);
     info.group_begin = params.user_offsets[user];
     const std::int64_t user_rows =
         std::int64_t{params.user_offsets[user + 1] - info.group_begin} * params.n_seed;
     info.rows = static_cast<int>(
-        std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kBlockM));
+        std::min<std::int64_t>(std::max<std::int64_t>(user_rows - info.first_row, 0), kTileRows));
     if (params.kv_offsets != nullptr) {
       info.kv_row = params.kv_offsets[user];
       info.kv_length = params.kv_offsets[user + 1] - params.kv_offsets[user];
@@ -587,12 +618,13 @@ struct AttentionSm90Kernel {
     }
   }
 
-  // Warps 1-2 of the producer (loader 0 .. 63): warp w gathers rows
-  // 64w .. 64w + 63 of the tile. Each lane finds the rows of q that two
-  // tile rows are (before the slot is free: a dependent load of the
-  // candidate map); the warp then copies kChunksPerRow / 32-row passes,
-  // lane l moving chunk l % kChunksPerRow of a row, so each cp.async
-  // instruction reads whole contiguous rows.
+  // Warps 1 .. kUnitLoaderWarps of the producer (loader 0 .. 64 *
+  // kUnitLoaderWarps - 1): warp w gathers rows 64w .. 64w + 63 of the tile.
+  // Each lane finds the rows of q that two tile rows are (before the slot
+  // is free: a dependent load of the candidate map); the warp then copies
+  // kChunksPerRow / 32-row passes, lane l moving chunk l % kChunksPerRow of
+  // a row, so each cp.async instruction reads whole contiguous rows.
+  static_assert(kUnitLoaderWarps * kWarpgroupRows == kTileRows);
   struct UnitRows {
     std::int32_t low, high;  // row_heads of tile rows 64w + l and 64w + 32 + l
   };
@@ -627,7 +659,7 @@ struct AttentionSm90Kernel {
       const std::int32_t row =
           __shfl_sync(kFullWarp, local < 32 ? rows.low : rows.high, local % 32);
       const bool valid = row >= 0;
-      ptx::cp_async_16(tile + tile_offset<kBlockM>(first + local, chunk),
+      ptx::cp_async_16(tile + tile_offset<kTileRows>(first + local, chunk),
                        valid ? q + std::int64_t{row} * kHeadDim + chunk * 8 : q, valid);
     }
     ptx::cp_async_commit();
@@ -820,7 +852,7 @@ struct AttentionSm90Kernel {
 #pragma unroll
     for (int slice = 0; slice < kQkSlices; ++slice) {
       ptx::wgmma_ss<Element, 0, 0, kColumns>(
-          scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kBlockM>(slice)),
+          scores, ptx::advance_descriptor(q_descriptor, k_slice_offset<kTileRows>(slice)),
           ptx::advance_descriptor(k_descriptor, k_slice_offset<kBlockN>(slice)), slice > 0);
     }
     ptx::wgmma_commit_group();
@@ -1048,6 +1080,14 @@ struct AttentionSm90Kernel {
       const int v_stage = steps.wait(last_step);
       if constexpr (kFixUpWarp) {
         if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
+      } else if constexpr (kTall) {
+        if (fix_up_step(params, info, last_step)) {
+          fix_up(params, info, last_step, shared.stages[v_stage],
+                 consumer * kWarpgroupThreads + thread_index_here() % kWarpgroupThreads,
+                 kConsumers * kWarpgroupThreads);
+          ptx::fence_async_shared();  // the PV below reads the zeros through the async proxy
+          ptx::named_barrier_sync<kConsumers * kWarpgroupThreads>(kFixBarrier);
+        }
       }
       turn_begin(consumer);
       ptx::fence_operands(registers.out_acc);
@@ -1070,11 +1110,13 @@ struct AttentionSm90Kernel {
       for (int block = 1; block < blocks - 1; ++block) {
         next_block(block, std::false_type{}, Whole{});
       }
-      if (blocks > 1 && tail_keys <= kBlockN / 2) {
-        using Half = std::integral_constant<int, kBlockN / 2>;
-        next_block(blocks - 1, std::true_type{}, Half{});
-        last_pv(Half{});
-        return;
+      if constexpr (kBlockN == 128) {  // (kTall's 64-key blocks have no half-width tail)
+        if (blocks > 1 && tail_keys <= kBlockN / 2) {
+          using Half = std::integral_constant<int, kBlockN / 2>;
+          next_block(blocks - 1, std::true_type{}, Half{});
+          last_pv(Half{});
+          return;
+        }
       }
       if (blocks > 1) next_block(blocks - 1, std::true_type{}, Whole{});
     } else {
@@ -1117,14 +1159,14 @@ struct AttentionSm90Kernel {
   }
 
   __device__ static void fix_up(const Params&, const UnitInfo& info, int, Stage& stage,
-                                int lane) {
+                                int lane, int lanes = 32) {
     const int keys = last_block_keys(info);
     constexpr int kChunksPerBlockRow = kSwizzleRowBytes / 16;
     const int chunks = (kBlockN - keys) * kChunksPerBlockRow;
 #pragma unroll
     for (int block = 0; block < kColumnBlocks; ++block) {
       auto* rows = reinterpret_cast<uint4*>(stage.tile[block] + keys * kSwizzleElements);
-      for (int chunk = lane; chunk < chunks; chunk += 32) rows[chunk] = make_uint4(0, 0, 0, 0);
+      for (int chunk = lane; chunk < chunks; chunk += lanes) rows[chunk] = make_uint4(0, 0, 0, 0);
     }
   }
 
@@ -1208,7 +1250,7 @@ struct AttentionSm90Kernel {
         return no_keys ? 0u
                        : ptx::pack_pair<Element>(low * inverse_sum[half], high * inverse_sum[half]);
       };
-      ptx::stmatrix_x4(tile + tile_offset<kBlockM>(lane_row, 2 * pair + matrix / 2),
+      ptx::stmatrix_x4(tile + tile_offset<kTileRows>(lane_row, 2 * pair + matrix / 2),
                        pair_at(2 * pair, 0), pair_at(2 * pair, 1), pair_at(2 * pair + 1, 0),
                        pair_at(2 * pair + 1, 1));
     }
@@ -1226,7 +1268,7 @@ struct AttentionSm90Kernel {
     for (int pass = 0; pass < kPasses; ++pass) {
       const int row = warp_rows + pass * kRowsPerPass + lane / kChunksPerRow;
       row_heads[pass] = slot_row_heads[row];
-      chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kBlockM>(row, chunk));
+      chunks[pass] = *reinterpret_cast<const uint4*>(staged + tile_offset<kTileRows>(row, chunk));
     }
     auto* out = static_cast<Element*>(params.out);
 #pragma unroll
@@ -1312,17 +1354,18 @@ struct DeviceSupport {
 
 // The default schedule's kernels for the keys of a call (with_schedule).
 enum class KeyWalk {
-  any,             // masked last blocks where a user's keys end inside one
+  any,             // dense K/V, masked last blocks where the keys end inside one
   whole_blocks,    // dense K/V in whole blocks: kWholeBlocks, where D has it
-  length_ordered,  // jagged K/V of few users: kLengthOrder
+  length_ordered,  // jagged K/V of few users: kLengthOrder (kTall at D = 128)
+  jagged,          // jagged K/V of more users (kTall at D = 128)
 };
 
 // Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
 // *_lookahead schedule runs without the look-ahead, see the header comment).
 // For the default schedule, `keys` picks the kWholeBlocks kernel (where D
-// has one) or the kLengthOrder kernel (where D has room for its table); the
-// other schedules, kept for comparison, take every call with the general
-// kernel.
+// has one), the kLengthOrder kernel (where D has room for its table), or at
+// D = 128 for jagged K/V the kTall kernels; the other schedules, kept for
+// comparison, take every call with the general kernel.
 template <typename Element, int kHeadDim, typename Fn>
 void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
   constexpr bool kLookahead = kHeadDim <= 128;
@@ -1334,6 +1377,14 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
     case AttentionSm90Schedule::ping_pong_lookahead:
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
+      if constexpr (kHeadDim == 128) {
+        if (keys == KeyWalk::length_ordered) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false, 3>{});
+        }
+        if (keys == KeyWalk::jagged) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, false, 3>{});
+        }
+      }
       if constexpr (length_order_users(kHeadDim) > 0) {
         if (keys == KeyWalk::length_ordered) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, kLookahead, true>{});
@@ -1364,6 +1415,10 @@ void for_each_schedule(Fn&& fn) {
   if constexpr (length_order_users(kHeadDim) > 0) {
     with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
                                      KeyWalk::length_ordered, fn);
+  }
+  if constexpr (kHeadDim == 128) {
+    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
+                                     KeyWalk::jagged, fn);
   }
   fn(SplitKeysKernel<Element, kHeadDim>{});
 }
@@ -1428,14 +1483,16 @@ std::int64_t kv_rows(const AttentionArgs& args) {
                                     : args.num_users * args.dense_seq_len;
 }
 
-// Units of the walk: H * (floor(B * n_seed / 128) + U), see the header comment.
-std::int64_t unit_count(const AttentionArgs& args) {
-  return args.heads * (args.num_candidates * args.n_seed / kBlockM + args.num_users);
+// Units of the walk: H * (floor(B * n_seed / rows) + U) for tiles of `rows`
+// query rows (kTall: 192), see the header comment.
+std::int64_t unit_count(const AttentionArgs& args, int tile_rows = kBlockM) {
+  return args.heads * (args.num_candidates * args.n_seed / tile_rows + args.num_users);
 }
 
-// K or V in boxes of 64 d x 1 head x block_keys(D) keys (x 1 user).
+// K or V in boxes of 64 d x 1 head x `block` keys (x 1 user); block_keys(D)
+// unless given.
 template <typename Element>
-CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
+CUtensorMap kv_map(const void* base, const AttentionArgs& args, int block = 0) {
   const auto row_bytes = static_cast<cuuint64_t>(args.head_dim * kElementBytes);
   ptx::TensorMapLayout layout;
   layout.dims[0] = static_cast<cuuint64_t>(args.head_dim);
@@ -1444,7 +1501,7 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args) {
   layout.strides_bytes[1] = row_bytes * static_cast<cuuint64_t>(args.heads);
   layout.box[0] = kSwizzleElements;
   layout.box[1] = 1;
-  layout.box[2] = static_cast<cuuint32_t>(block_keys(args.head_dim));
+  layout.box[2] = static_cast<cuuint32_t>(block > 0 ? block : block_keys(args.head_dim));
   if (args.kv_offsets != nullptr) {
     layout.rank = 3;
     layout.dims[2] = static_cast<cuuint64_t>(kv_rows(args));
@@ -1492,10 +1549,20 @@ void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t
 }
 
 template <typename Element, int kHeadDim>
-void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
-                     KeyWalk keys, int multiprocessors, cudaStream_t stream) {
+void launch_schedule(const AttentionArgs& args, const AttentionSm90Params& params,
+                     AttentionSm90Schedule schedule, KeyWalk keys, int multiprocessors,
+                     cudaStream_t stream) {
   with_schedule<Element, kHeadDim>(schedule, keys, [&](auto kernel_traits) {
-    launch<decltype(kernel_traits)>(params, multiprocessors, stream);
+    using Kernel = decltype(kernel_traits);
+    if constexpr (Kernel::kTall) {
+      AttentionSm90Params tall = params;
+      tall.num_units = static_cast<int>(unit_count(args, Kernel::kTileRows));
+      tall.keys = kv_map<Element>(args.k, args, Kernel::kBlockN);
+      tall.values = kv_map<Element>(args.v, args, Kernel::kBlockN);
+      launch<Kernel>(tall, multiprocessors, stream);
+    } else {
+      launch<Kernel>(params, multiprocessors, stream);
+    }
   });
 }
 
@@ -1538,12 +1605,13 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   KeyWalk keys = KeyWalk::any;
   if (args.kv_offsets == nullptr) {
     if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
-  } else if (args.num_users <= length_order_users(args.head_dim)) {
-    keys = KeyWalk::length_ordered;
+  } else {
+    keys = args.num_users <= length_order_users(args.head_dim) ? KeyWalk::length_ordered
+                                                                : KeyWalk::jagged;
   }
   with_head_dim(args, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    launch_schedule<Element, kHeadDim>(params, schedule, keys, multiprocessors, stream);
+    launch_schedule<Element, kHeadDim>(args, params, schedule, keys, multiprocessors, stream);
   });
 }
 
