@@ -1378,6 +1378,9 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
       if constexpr (kHeadDim == 128) {
+        if (keys == KeyWalk::any) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, false, 3>{});
+        }
         if (keys == KeyWalk::length_ordered) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false, 3>{});
         }
