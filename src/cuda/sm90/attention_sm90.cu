@@ -113,18 +113,23 @@
 // in flight (ptxas would serialize every wgmma of the kernel), hence the
 // scale-d = 0 start of O.
 //
-// Tall units (jagged K/V at D = 128, default schedule): 192-row tiles over
+// Tall units (D = 128, default schedule, where keys end inside 128-key
+// blocks: jagged K/V, or dense K/V whose length is not a multiple of 128;
+// in calls of at least kTallMinRounds rounds of them): 192-row tiles over
 // three consumer warpgroups (512 threads; producer at 24 registers,
 // consumers at 160) and K/V blocks of 64 keys, without the look-ahead. A
-// jagged user's last block is half empty on average, and a block costs
-// about the same whatever its width, so narrower blocks waste less; the
-// third warpgroup hides the extra waits that 64-key blocks cost two of
-// them (12-13% slower, bench/notes/attention_sm90.md, session 23). H100,
-// session 31, lengths uniform in [S/2, 3S/2]: 4.4 / 1.9 / 0.6 / 0.5% faster
-// than the two-warpgroup kernel at S = 512 / 1024 / 2048 / 4096 (dense
-// calls keep it: level there, and 192-row tiles round B = 2048's units up
-// by more). The producer's three spare warps all gather Q, so the
-// consumers clear a short user's V rows themselves (fix_up).
+// user's last block, where its keys end, is half empty on average, and a
+// block costs about the same whatever its width, so narrower blocks waste
+// less; the third warpgroup hides the extra waits that 64-key blocks cost
+// two of them (12-13% slower, bench/notes/attention_sm90.md, session 23).
+// H100, session 31, B = 2048: jagged lengths uniform in [S/2, 3S/2] 4.4 /
+// 1.9 / 0.6 / 0.5% faster than the two-warpgroup kernels at S = 512 / 1024
+// / 2048 / 4096; dense S = 64 / 100 / 200 / 300 / 500 / 1000 / 3000 16 / 10
+// / 8.5 / 4.5 / 1.1 / 0.4 / 1.1% faster, 1500 level. Dense lengths in
+// whole blocks keep the two-warpgroup kernel (level there, and 192-row
+// tiles round B = 2048's units up by more). The producer's three spare
+// warps all gather Q, so the consumers clear a short user's V rows
+// themselves (fix_up).
 //
 // Ping-pong (AttentionSm90Schedule::ping_pong): each consumer issues its
 // GEMMs of a step only in its turn, named barrier 1 + consumer, and passes
@@ -1354,18 +1359,19 @@ struct DeviceSupport {
 
 // The default schedule's kernels for the keys of a call (with_schedule).
 enum class KeyWalk {
-  any,             // dense K/V, masked last blocks where the keys end inside one
-  whole_blocks,    // dense K/V in whole blocks: kWholeBlocks, where D has it
-  length_ordered,  // jagged K/V of few users: kLengthOrder (kTall at D = 128)
-  jagged,          // jagged K/V of more users (kTall at D = 128)
+  any,                  // masked last blocks where a user's keys end inside one
+  whole_blocks,         // dense K/V in whole blocks: kWholeBlocks, where D has it
+  length_ordered,       // jagged K/V of few users: kLengthOrder
+  tall,                 // D = 128, masked last blocks: kTall
+  tall_length_ordered,  // D = 128, jagged K/V of few users: kTall and kLengthOrder
 };
 
 // Calls fn(Kernel{}) with the kernel of `schedule` (at D = 256 a
 // *_lookahead schedule runs without the look-ahead, see the header comment).
 // For the default schedule, `keys` picks the kWholeBlocks kernel (where D
 // has one), the kLengthOrder kernel (where D has room for its table), or at
-// D = 128 for jagged K/V the kTall kernels; the other schedules, kept for
-// comparison, take every call with the general kernel.
+// D = 128 the kTall kernels; the other schedules, kept for comparison, take
+// every call with the general kernel.
 template <typename Element, int kHeadDim, typename Fn>
 void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
   constexpr bool kLookahead = kHeadDim <= 128;
@@ -1378,11 +1384,11 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
       return fn(AttentionSm90Kernel<Element, kHeadDim, true, kLookahead>{});
     case AttentionSm90Schedule::cooperative_lookahead:
       if constexpr (kHeadDim == 128) {
-        if (keys == KeyWalk::length_ordered) {
-          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false, 3>{});
-        }
-        if (keys == KeyWalk::jagged) {
+        if (keys == KeyWalk::tall) {
           return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, false, 3>{});
+        }
+        if (keys == KeyWalk::tall_length_ordered) {
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false, 3>{});
         }
       }
       if constexpr (length_order_users(kHeadDim) > 0) {
@@ -1417,8 +1423,9 @@ void for_each_schedule(Fn&& fn) {
                                      KeyWalk::length_ordered, fn);
   }
   if constexpr (kHeadDim == 128) {
-    with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead,
-                                     KeyWalk::jagged, fn);
+    for (const KeyWalk keys : {KeyWalk::tall, KeyWalk::tall_length_ordered}) {
+      with_schedule<Element, kHeadDim>(AttentionSm90Schedule::cooperative_lookahead, keys, fn);
+    }
   }
   fn(SplitKeysKernel<Element, kHeadDim>{});
 }
@@ -1460,6 +1467,17 @@ constexpr int kMinRangeBlocks = 8;
 std::atomic<int>& min_range_blocks_switch() {
   static std::atomic<int> blocks{kMinRangeBlocks};
   return blocks;
+}
+
+// Tall units take 1.5 times as long as 128-row units, so a call of few of
+// them loses more to its last round than they save (H100, session 31: dense
+// S = 500 / 1000 at B = 256, 176 tall units on 132 SMs, 21-25% slower).
+constexpr int kTallMinRounds = 4;
+constexpr int kTallRows = 3 * kWarpgroupRows;
+
+std::atomic<int>& tall_min_rounds_switch() {
+  static std::atomic<int> rounds{kTallMinRounds};
+  return rounds;
 }
 
 std::atomic<AttentionSm90Schedule>& schedule_switch() {
@@ -1555,6 +1573,7 @@ void launch_schedule(const AttentionArgs& args, const AttentionSm90Params& param
   with_schedule<Element, kHeadDim>(schedule, keys, [&](auto kernel_traits) {
     using Kernel = decltype(kernel_traits);
     if constexpr (Kernel::kTall) {
+      static_assert(Kernel::kTileRows == kTallRows);
       AttentionSm90Params tall = params;
       tall.num_units = static_cast<int>(unit_count(args, Kernel::kTileRows));
       tall.keys = kv_map<Element>(args.k, args, Kernel::kBlockN);
@@ -1602,12 +1621,22 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
     });
     return;
   }
+  // Tall units where keys end inside 128-key blocks (jagged, or dense of
+  // another length) and the call has rounds enough of them.
+  const bool dense_whole = args.kv_offsets == nullptr &&
+                           args.dense_seq_len % block_keys(args.head_dim) == 0;
+  const bool tall = args.head_dim == 128 && !dense_whole &&
+                    unit_count(args, kTallRows) >=
+                        std::int64_t{tall_min_rounds_switch().load()} * multiprocessors;
+  const bool ordered =
+      args.kv_offsets != nullptr && args.num_users <= length_order_users(args.head_dim);
   KeyWalk keys = KeyWalk::any;
-  if (args.kv_offsets == nullptr) {
-    if (args.dense_seq_len % block_keys(args.head_dim) == 0) keys = KeyWalk::whole_blocks;
-  } else {
-    keys = args.num_users <= length_order_users(args.head_dim) ? KeyWalk::length_ordered
-                                                                : KeyWalk::jagged;
+  if (dense_whole) {
+    keys = KeyWalk::whole_blocks;
+  } else if (tall) {
+    keys = ordered ? KeyWalk::tall_length_ordered : KeyWalk::tall;
+  } else if (ordered) {
+    keys = KeyWalk::length_ordered;
   }
   with_head_dim(args, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
@@ -1676,6 +1705,12 @@ AttentionSm90Schedule attention_sm90_schedule() { return schedule_switch().load(
 
 void set_attention_sm90_schedule(AttentionSm90Schedule schedule) {
   schedule_switch().store(schedule);
+}
+
+int attention_sm90_tall_min_rounds() { return tall_min_rounds_switch().load(); }
+
+void set_attention_sm90_tall_min_rounds(int rounds) {
+  tall_min_rounds_switch().store(std::max(rounds, 0));
 }
 
 int attention_sm90_min_range_blocks() { return min_range_blocks_switch().load(); }

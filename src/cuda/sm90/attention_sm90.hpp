@@ -82,4 +82,12 @@ void set_attention_sm90_schedule(AttentionSm90Schedule schedule);
 int attention_sm90_min_range_blocks();
 void set_attention_sm90_min_range_blocks(int blocks);
 
+// The fewest rounds of tall units (192 query rows each, on every SM) for
+// which the default schedule runs them at D = 128 (jagged K/V, and dense K/V
+// whose length is not a multiple of 128): 4 (a call of fewer loses more to
+// its last round than tall units save). Tests set 0 to run them on small
+// problems.
+int attention_sm90_tall_min_rounds();
+void set_attention_sm90_tall_min_rounds(int rounds);
+
 }  // namespace ikbo::detail::cuda
