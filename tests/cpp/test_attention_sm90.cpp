@@ -373,9 +373,10 @@ class AttentionSm90Test : public testing::Test {
 // and 2 that reaches into user 1's rows (or past the tensor) must mask them
 // out, so their outputs stay exact; only user 1's candidates are NaN.
 TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
-  // Dense; jagged users shorter than a K/V block (the fixer clears the
-  // poisoned rows their block reads); jagged users of more than a block
-  // (their last block ends at their last key and reads none of them).
+  // Dense; jagged users shorter than a K/V block (the fixer, or in tall
+  // units the consumers, clear the poisoned rows their block reads: 40 keys
+  // is short of both 64 and 128); jagged users of more than a block (their
+  // last block ends at their last key and reads none of them).
   const std::vector<std::vector<std::int64_t>> length_sets = {
       {}, {100, 50, 70}, {40, 50, 70}, {300, 50, 200}};
   for (const auto& lengths : length_sets) {
