@@ -74,6 +74,7 @@ std::optional<std::string> sm90_unavailable_reason() {
 enum class Path {
   portable,
   hopper_default,
+  library_default,  // hopper_default with the library's bound on tall units kept
   split_keys,
   ping_pong,
   cooperative,
@@ -92,11 +93,12 @@ class PathScope {
     previous_tall_min_rounds_ = detail::cuda::attention_sm90_tall_min_rounds();
     if (path == Path::split_keys) detail::cuda::set_attention_sm90_min_range_blocks(1);
     // Tall units on the tests' small problems too (see AttentionSm90VsReference).
-    detail::cuda::set_attention_sm90_tall_min_rounds(0);
+    if (path != Path::library_default) detail::cuda::set_attention_sm90_tall_min_rounds(0);
     using detail::cuda::AttentionSm90Schedule;
     detail::cuda::set_attention_sm90_enabled(path != Path::portable);
     switch (path) {
       case Path::hopper_default:
+      case Path::library_default:
       case Path::split_keys:
         break;
       case Path::portable:
@@ -406,6 +408,24 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
       }
     }
   }
+}
+
+// Tall units run only where a call has at least four rounds of them: a
+// small jagged call at D = 128 keeps the two-warpgroup kernel, whose bits
+// equal ping-pong's (with the tests' bound of 0 it runs tall units).
+TEST_F(AttentionSm90Test, SmallCallsKeepTheTwoWarpgroupKernel) {
+  SeededRng rng;
+  const DType dtype = DType::f16;
+  const AttentionCase test_case{
+      "small_jagged", 130, 3, 37, 2, 128, 0, {300, 0, 200}, MapOrder::unsorted, std::nullopt};
+  const AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+  const DeviceProblem problem(inputs, test_case.num_users, true);
+  const std::vector<double> expected = inputs.expected();
+  const std::vector<double> hopper = problem.run(Path::ping_pong);
+  EXPECT_TRUE(matches_reference(hopper, expected, dtype));
+  EXPECT_TRUE(exactly_equal(problem.run(Path::library_default), hopper))
+      << "a call of few tall units ran them";
+  EXPECT_TRUE(matches_reference(problem.run(Path::cooperative_lookahead), expected, dtype));
 }
 
 // Split keys at the default minimum range: a call of few query tiles and
