@@ -173,6 +173,11 @@ using sm90::kWarpgroupThreads;
 
 constexpr int kBlockM = 128;          // query rows per unit
 constexpr int kWarpgroupRows = 64;    // of which each consumer warpgroup takes one wgmma M
+// Tall units (see the header comment): consumer warpgroups, query rows and
+// keys per K/V block.
+constexpr int kTallConsumers = 3;
+constexpr int kTallRows = kTallConsumers * kWarpgroupRows;
+constexpr int kTallBlockN = 64;
 constexpr int kSwizzleElements = 64;  // elements per 128-byte swizzle row
 constexpr int kSwizzleRowBytes = 128;
 constexpr std::uint32_t kAtomBytes = 8 * kSwizzleRowBytes;  // 8-row swizzle atom
@@ -314,13 +319,13 @@ struct AttentionSm90Kernel {
   // 192-row tiles over three consumer warpgroups and 64-key blocks, without
   // the look-ahead, whose copy of O the consumers' 160 registers have no
   // room for.
-  static constexpr bool kTall = kConsumers == 3;
+  static constexpr bool kTall = kConsumers == kTallConsumers;
   static_assert(!kTall || (kHeadDim == 128 && !kPingPong && !kLookahead && !kSplitKeys &&
                            !kWholeBlocks));
   static constexpr int kConsumerWarpgroups = kConsumers;
   static constexpr int kTileRows = kWarpgroupRows * kConsumers;
   static constexpr int kClusterSize = 1;
-  static constexpr int kBlockN = kTall ? 64 : block_keys(kHeadDim);
+  static constexpr int kBlockN = kTall ? kTallBlockN : block_keys(kHeadDim);
   // K/V stages of 16 KiB (D = 64, kTall) or 32 KiB (D = 128, 256). kTall
   // fills what its two 48 KiB Q slots leave (seven stages beside the walk
   // table of kLengthOrder). At D = 128 a fifth stage lets the next unit's
@@ -1385,10 +1390,12 @@ void with_schedule(AttentionSm90Schedule schedule, KeyWalk keys, Fn&& fn) {
     case AttentionSm90Schedule::cooperative_lookahead:
       if constexpr (kHeadDim == 128) {
         if (keys == KeyWalk::tall) {
-          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, false, 3>{});
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, false, false, false,
+                                        kTallConsumers>{});
         }
         if (keys == KeyWalk::tall_length_ordered) {
-          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false, 3>{});
+          return fn(AttentionSm90Kernel<Element, kHeadDim, false, false, true, false, false,
+                                        kTallConsumers>{});
         }
       }
       if constexpr (length_order_users(kHeadDim) > 0) {
@@ -1473,7 +1480,6 @@ std::atomic<int>& min_range_blocks_switch() {
 // them loses more to its last round than they save (H100, session 31: dense
 // S = 500 / 1000 at B = 256, 176 tall units on 132 SMs, 21-25% slower).
 constexpr int kTallMinRounds = 4;
-constexpr int kTallRows = 3 * kWarpgroupRows;
 
 std::atomic<int>& tall_min_rounds_switch() {
   static std::atomic<int> rounds{kTallMinRounds};
@@ -1507,10 +1513,9 @@ std::int64_t unit_count(const AttentionArgs& args, int tile_rows = kBlockM) {
   return args.heads * (args.num_candidates * args.n_seed / tile_rows + args.num_users);
 }
 
-// K or V in boxes of 64 d x 1 head x `block` keys (x 1 user); block_keys(D)
-// unless given.
+// K or V in boxes of 64 d x 1 head x `block` keys (x 1 user).
 template <typename Element>
-CUtensorMap kv_map(const void* base, const AttentionArgs& args, int block = 0) {
+CUtensorMap kv_map(const void* base, const AttentionArgs& args, int block) {
   const auto row_bytes = static_cast<cuuint64_t>(args.head_dim * kElementBytes);
   ptx::TensorMapLayout layout;
   layout.dims[0] = static_cast<cuuint64_t>(args.head_dim);
@@ -1519,7 +1524,7 @@ CUtensorMap kv_map(const void* base, const AttentionArgs& args, int block = 0) {
   layout.strides_bytes[1] = row_bytes * static_cast<cuuint64_t>(args.heads);
   layout.box[0] = kSwizzleElements;
   layout.box[1] = 1;
-  layout.box[2] = static_cast<cuuint32_t>(block > 0 ? block : block_keys(args.head_dim));
+  layout.box[2] = static_cast<cuuint32_t>(block);
   if (args.kv_offsets != nullptr) {
     layout.rank = 3;
     layout.dims[2] = static_cast<cuuint64_t>(kv_rows(args));
@@ -1567,32 +1572,42 @@ void launch(const AttentionSm90Params& params, int multiprocessors, cudaStream_t
 }
 
 template <typename Element, int kHeadDim>
-void launch_schedule(const AttentionArgs& args, const AttentionSm90Params& params,
-                     AttentionSm90Schedule schedule, KeyWalk keys, int multiprocessors,
-                     cudaStream_t stream) {
+void launch_schedule(const AttentionSm90Params& params, AttentionSm90Schedule schedule,
+                     KeyWalk keys, int multiprocessors, cudaStream_t stream) {
   with_schedule<Element, kHeadDim>(schedule, keys, [&](auto kernel_traits) {
-    using Kernel = decltype(kernel_traits);
-    if constexpr (Kernel::kTall) {
-      static_assert(Kernel::kTileRows == kTallRows);
-      AttentionSm90Params tall = params;
-      tall.num_units = static_cast<int>(unit_count(args, Kernel::kTileRows));
-      tall.keys = kv_map<Element>(args.k, args, Kernel::kBlockN);
-      tall.values = kv_map<Element>(args.v, args, Kernel::kBlockN);
-      launch<Kernel>(tall, multiprocessors, stream);
-    } else {
-      launch<Kernel>(params, multiprocessors, stream);
-    }
+    launch<decltype(kernel_traits)>(params, multiprocessors, stream);
   });
+}
+
+// The default schedule's walk for a call's keys (with_schedule): tall units
+// where keys end inside 128-key blocks (jagged, or dense of another length)
+// and the call has rounds enough of them.
+KeyWalk key_walk(const AttentionArgs& args, AttentionSm90Schedule schedule, int multiprocessors) {
+  if (args.kv_offsets == nullptr && args.dense_seq_len % block_keys(args.head_dim) == 0) {
+    return KeyWalk::whole_blocks;
+  }
+  const bool ordered =
+      args.kv_offsets != nullptr && args.num_users <= length_order_users(args.head_dim);
+  const bool tall = schedule == AttentionSm90Schedule::cooperative_lookahead &&
+                    args.head_dim == 128 &&
+                    unit_count(args, kTallRows) >=
+                        std::int64_t{tall_min_rounds_switch().load()} * multiprocessors;
+  if (tall) return ordered ? KeyWalk::tall_length_ordered : KeyWalk::tall;
+  return ordered ? KeyWalk::length_ordered : KeyWalk::any;
 }
 
 template <typename Element>
 void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedule,
                         int multiprocessors) {
   const int ranges = key_ranges(args, multiprocessors);
+  const bool split = ranges > 1 && args.workspace != nullptr;
+  const KeyWalk keys = split ? KeyWalk::any : key_walk(args, schedule, multiprocessors);
+  const bool tall = keys == KeyWalk::tall || keys == KeyWalk::tall_length_ordered;
   const CandidateMapDeviceView& map = args.map->device_view;
   AttentionSm90Params params{};
-  params.keys = kv_map<Element>(args.k, args);
-  params.values = kv_map<Element>(args.v, args);
+  const int block = tall ? kTallBlockN : block_keys(args.head_dim);
+  params.keys = kv_map<Element>(args.k, args, block);
+  params.values = kv_map<Element>(args.v, args, block);
   params.q = args.q;
   params.out = args.out;
   params.user_offsets = map.user_offsets;
@@ -1602,11 +1617,11 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
   params.heads = static_cast<int>(args.heads);
   params.n_seed = static_cast<int>(args.n_seed);
   params.dense_seq_len = static_cast<int>(args.dense_seq_len);
-  params.num_units = static_cast<int>(unit_count(args));
+  params.num_units = static_cast<int>(unit_count(args, tall ? kTallRows : kBlockM));
   params.scale_log2 = args.scale * static_cast<float>(kLog2e);
   if (params.num_units == 0) return;
   const cudaStream_t stream = to_cuda_stream(args.stream);
-  if (ranges > 1 && args.workspace != nullptr) {
+  if (split) {
     // attention() has checked the workspace against split_partials_bytes.
     const int tiles = params.num_units;
     params.partials = static_cast<float*>(args.workspace);
@@ -1621,26 +1636,9 @@ void run_attention_sm90(const AttentionArgs& args, AttentionSm90Schedule schedul
     });
     return;
   }
-  // Tall units where keys end inside 128-key blocks (jagged, or dense of
-  // another length) and the call has rounds enough of them.
-  const bool dense_whole = args.kv_offsets == nullptr &&
-                           args.dense_seq_len % block_keys(args.head_dim) == 0;
-  const bool tall = args.head_dim == 128 && !dense_whole &&
-                    unit_count(args, kTallRows) >=
-                        std::int64_t{tall_min_rounds_switch().load()} * multiprocessors;
-  const bool ordered =
-      args.kv_offsets != nullptr && args.num_users <= length_order_users(args.head_dim);
-  KeyWalk keys = KeyWalk::any;
-  if (dense_whole) {
-    keys = KeyWalk::whole_blocks;
-  } else if (tall) {
-    keys = ordered ? KeyWalk::tall_length_ordered : KeyWalk::tall;
-  } else if (ordered) {
-    keys = KeyWalk::length_ordered;
-  }
   with_head_dim(args, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    launch_schedule<Element, kHeadDim>(args, params, schedule, keys, multiprocessors, stream);
+    launch_schedule<Element, kHeadDim>(params, schedule, keys, multiprocessors, stream);
   });
 }
 
