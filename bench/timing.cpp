@@ -13,6 +13,7 @@
 #include <cuda_profiler_api.h>
 
 #include "cuda_check.hpp"
+#include "gpu_wait.hpp"
 #endif
 
 namespace ikbo::bench {
@@ -31,6 +32,11 @@ class CudaEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// The GPU's head start before a series (gpu_wait.hpp): enough for the host
+// to queue the warm-up and every timed run even at ten times its usual
+// ~20 us per run.
+constexpr long long kHeadStartNs = 10'000'000;
+
 std::size_t l2_flush_bytes(Device device) {
   int l2_bytes = 0;
   IKBO_BENCH_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device.index));
@@ -45,6 +51,8 @@ Timer::Timer(Device device, Stream stream, int settle_ms)
   if (!device.is_cuda()) return;
 #ifdef IKBO_WITH_CUDA
   l2_flush_ = Buffer(l2_flush_bytes(device), device);
+  IKBO_BENCH_CHECK(
+      cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device.index));
   clocks_ = std::make_unique<ClockMonitor>(device.index);
 #else
   throw Error("a CUDA device was requested, but ikbo-bench was built without CUDA");
@@ -123,12 +131,17 @@ std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warm
     IKBO_BENCH_CHECK(cudaStreamSynchronize(stream));
     settled_ms = clocks_->settle(settle_ms_);
   }
+  // The warm-up and the timed runs queued behind a wait on the GPU, one
+  // event pair per run, read after the last: the host enqueues every run
+  // before the GPU reaches it, so none of the host's time sits between two
+  // events. (The wait precedes the warm-up, which leaves the GPU as busy
+  // before the first timed run as between two of them.)
+  enqueue_gpu_wait(stream, kHeadStartNs, multiprocessors_);
   for (int i = 0; i < warmup; ++i) op();
-  // One event pair per run, read after the last: the host enqueues every run
-  // ahead of the GPU, so no host round trip sits between two timed runs.
+  const CudaEvent warmed_up;
+  IKBO_BENCH_CHECK(cudaEventRecord(warmed_up.get(), stream));
   std::vector<CudaEvent> starts(static_cast<std::size_t>(reps));
   std::vector<CudaEvent> stops(static_cast<std::size_t>(reps));
-  clocks_->start();
   for (std::size_t i = 0; i < starts.size(); ++i) {
     IKBO_BENCH_CHECK(
         cudaMemsetAsync(l2_flush_.data(), static_cast<int>(i & 0xff), l2_flush_.bytes(), stream));
@@ -136,6 +149,9 @@ std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warm
     op();
     IKBO_BENCH_CHECK(cudaEventRecord(stops[i].get(), stream));
   }
+  // The clock is sampled while the timed runs run.
+  IKBO_BENCH_CHECK(cudaEventSynchronize(warmed_up.get()));
+  clocks_->start();
   const cudaError_t synchronized = cudaEventSynchronize(stops.back().get());
   ClockSummary clocks = clocks_->stop();
   clocks.settled_ms = settled_ms;

@@ -11,7 +11,9 @@
 // GPU: before the warm-up, the timer idles until the driver reports no
 // power or thermal limit on the clock (at most settle_ms; clock_monitor.hpp),
 // so that each variant starts from the same state rather than from what the
-// one before it left; the SM clock is sampled during the timed runs.
+// one before it left; then the warm-up and the timed runs are queued behind
+// a 10 ms wait on the GPU (gpu_wait.hpp), so that none of the host's time
+// is timed; the SM clock is sampled during the timed runs.
 #pragma once
 
 #include <functional>
@@ -55,6 +57,7 @@ class Timer {
 #ifdef IKBO_WITH_CUDA
   std::vector<double> run_ms_cuda(const std::function<void()>& op, int warmup, int reps) const;
   Buffer l2_flush_;
+  int multiprocessors_ = 0;
   std::unique_ptr<ClockMonitor> clocks_;
 #endif
   int settle_ms_;

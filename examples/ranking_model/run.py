@@ -400,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device,
         reps=options.reps if options.reps is not None else (30 if gpu else 5),
         warmup=options.warmup if options.warmup is not None else (5 if gpu else 1),
-        lead_cycles=0,
+        host_ahead=False,
     )
     num_users = users_for_ratio(options.B, options.ratio)
     print(f"device: {device_name(device)}, {dtype_name(dtype)}, torch {torch.__version__}")

@@ -323,9 +323,9 @@ class Timer:
     """Times a callable: the median, fastest and slowest of ``reps`` runs
     after ``warmup`` untimed ones. On a GPU each run is bracketed by CUDA events on
     the current stream, after a write over twice the L2 size that evicts
-    the previous run's data, and behind a short GPU wait (``lead_cycles``;
-    with a longer one before the first run, ``HEAD_START_CYCLES``) that
-    keeps the host's enqueueing out of the events; before the warm-up
+    the previous run's data; the warm-up and the timed runs are queued
+    behind a GPU wait (``HEAD_START_CYCLES``) that keeps the host's
+    enqueueing out of the events (``host_ahead``); before the warm-up
     the timer idles ``ClockMonitor.MIN_IDLE_MS`` and then until the driver
     reports no power or thermal limit on the clock (at most ``settle_ms``),
     so each variant starts from the same state rather than from what the one
@@ -338,19 +338,18 @@ class Timer:
         reps: int,
         warmup: int,
         settle_ms: int = 2000,
-        lead_cycles: int | None = None,
+        host_ahead: bool = True,
     ) -> None:
-        """``lead_cycles``: the GPU wait queued before each run (default
-        ``LEAD_CYCLES``; 0 times what the host adds too, e.g. an eager model's
-        end-to-end latency)."""
-        lead_cycles = self.LEAD_CYCLES if lead_cycles is None else lead_cycles
-        if reps < 1 or warmup < 0 or settle_ms < 0 or lead_cycles < 0:
+        """``host_ahead``: queue the runs behind the GPU wait, so that the
+        events time the GPU only; False times what the host adds too (e.g. an
+        eager model's end-to-end latency)."""
+        if reps < 1 or warmup < 0 or settle_ms < 0:
             raise ValueError(
-                "reps must be >= 1 and warmup, settle_ms and lead_cycles >= 0, got "
-                f"reps={reps}, warmup={warmup}, settle_ms={settle_ms}, lead_cycles={lead_cycles}"
+                "reps must be >= 1 and warmup and settle_ms >= 0, got "
+                f"reps={reps}, warmup={warmup}, settle_ms={settle_ms}"
             )
         self.device, self.reps, self.warmup = device, reps, warmup
-        self.settle_ms, self.lead_cycles = settle_ms, lead_cycles
+        self.settle_ms, self.host_ahead = settle_ms, host_ahead
         self._l2_flush = None
         self._clocks: ClockMonitor | None = None
         self.last_clocks: dict | None = None
@@ -377,35 +376,29 @@ class Timer:
             )
         return sampling
 
-    # GPU clock cycles each run waits on the device before its L2 flush
-    # (torch.cuda._sleep; ~0.1 ms at 1980 MHz). A Python op takes tens of
+    # GPU clock cycles (torch.cuda._sleep; ~20 ms at 1980 MHz) the warm-up
+    # and the timed runs are queued behind. A Python op takes tens of
     # microseconds of the host's time to enqueue; where that exceeds what
     # the GPU has queued, a small op's events time the host (the linear
-    # suite read 0.0445 ms in C++ and 0.397 ms here at one shape). The wait
-    # keeps the host ahead of the GPU, and is short next to the idle a
-    # heavy op's runs get anyway (the power state, ClockMonitor).
-    LEAD_CYCLES = 200_000
-    # With a lead, the GPU also gets a head start of this many cycles (~20 ms)
-    # before the first timed run. The host queues the runs without waiting for
-    # them, so it can pause while it enqueues them (the interpreter switching to
-    # the clock sampler's thread, a garbage collection). Such a pause drains
-    # the GPU's queue unless the queue holds more than the pause, and a run
-    # that then starts before its op is enqueued times the pause. The lead of
-    # each run covers only the host's usual time per run. In session 25,
-    # without the head start, the linear suite read medians of 0.045-0.053 ms
-    # whose fastest runs took 0.030, with slowest runs up to 0.39 ms.
+    # suite read 0.0445 ms in C++ and 0.397 ms here at one shape), and a
+    # pause of the host (the interpreter switching to the clock sampler's
+    # thread, a garbage collection) drains the queue. The wait lets the host
+    # queue the whole series first. Until session 32 each run also waited
+    # 200,000 cycles before its flush: that idle cost a kernel after it up to
+    # 2.7% (C++ bench, attention at S = 512), where the C++ bench's runs
+    # follow each other.
     HEAD_START_CYCLES = 40_000_000
 
     @property
     def method(self) -> str:
         if self._l2_flush is None:
             return "time.perf_counter"
-        if self.lead_cycles == 0:
+        if not self.host_ahead:
             return "CUDA events, L2 flushed before every run"
         return (
-            "CUDA events, L2 flushed before every run, each run queued behind a "
-            f"{self.lead_cycles}-cycle GPU wait (the first run behind {self.HEAD_START_CYCLES} "
-            "more) so that the host's time is not timed"
+            "CUDA events, L2 flushed before every run, the warm-up and the runs queued "
+            f"behind a {self.HEAD_START_CYCLES}-cycle GPU wait so that the host's time is "
+            "not timed"
         )
 
     def samples_ms(
@@ -421,9 +414,9 @@ class Timer:
         if self._clocks is not None and self.settle_ms > 0:
             torch.cuda.synchronize(self.device)
             settled_ms = self._clocks.settle(self.settle_ms)
-        for _ in range(self.warmup):
-            run(*arguments())
         if self._l2_flush is None:
+            for _ in range(self.warmup):
+                run(*arguments())
             samples = []
             for _ in range(self.reps):
                 args = arguments()
@@ -431,15 +424,20 @@ class Timer:
                 run(*args)
                 samples.append((time.perf_counter() - start) * 1e3)
             return samples
+        if self.host_ahead:
+            torch.cuda._sleep(self.HEAD_START_CYCLES)
+        for _ in range(self.warmup):
+            run(*arguments())
+        warmed_up = torch.cuda.Event()
+        warmed_up.record()
         events = []
-        self._clocks.start()
+        # The clock is sampled while the timed runs run: from when the GPU
+        # reaches them (host_ahead), else from their enqueueing.
+        if not self.host_ahead:
+            self._clocks.start()
         try:
-            if self.lead_cycles > 0:
-                torch.cuda._sleep(self.HEAD_START_CYCLES)
             for _ in range(self.reps):
                 args = arguments()
-                if self.lead_cycles > 0:
-                    torch.cuda._sleep(self.lead_cycles)
                 self._l2_flush.zero_()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
@@ -447,6 +445,9 @@ class Timer:
                 run(*args)
                 end.record()
                 events.append((start, end))
+            if self.host_ahead:
+                warmed_up.synchronize()
+                self._clocks.start()
             torch.cuda.synchronize(self.device)
         finally:
             self.last_clocks = self._clocks.stop()
