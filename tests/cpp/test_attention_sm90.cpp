@@ -410,22 +410,28 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
   }
 }
 
-// Tall units run only where a call has at least four rounds of them: a
-// small jagged call at D = 128 keeps the two-warpgroup kernel, whose bits
-// equal ping-pong's (with the tests' bound of 0 it runs tall units).
+// Tall units run only where a call has rounds enough of them (four for
+// jagged K/V, ten for dense): a small jagged call and a small dense call of
+// a length not in whole blocks keep the two-warpgroup kernel at D = 128,
+// whose bits equal ping-pong's (with the tests' bound of 0 they run tall
+// units).
 TEST_F(AttentionSm90Test, SmallCallsKeepTheTwoWarpgroupKernel) {
   SeededRng rng;
   const DType dtype = DType::f16;
-  const AttentionCase test_case{
-      "small_jagged", 130, 3, 37, 2, 128, 0, {300, 0, 200}, MapOrder::unsorted, std::nullopt};
-  const AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
-  const DeviceProblem problem(inputs, test_case.num_users, true);
-  const std::vector<double> expected = inputs.expected();
-  const std::vector<double> hopper = problem.run(Path::ping_pong);
-  EXPECT_TRUE(matches_reference(hopper, expected, dtype));
-  EXPECT_TRUE(exactly_equal(problem.run(Path::library_default), hopper))
-      << "a call of few tall units ran them";
-  EXPECT_TRUE(matches_reference(problem.run(Path::cooperative_lookahead), expected, dtype));
+  const std::vector<AttentionCase> cases{
+      {"small_jagged", 130, 3, 37, 2, 128, 0, {300, 0, 200}, MapOrder::unsorted, std::nullopt},
+      {"small_dense_tail", 130, 3, 37, 2, 128, 300, {}, MapOrder::unsorted, std::nullopt}};
+  for (const AttentionCase& test_case : cases) {
+    SCOPED_TRACE(test_case.name);
+    const AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+    const DeviceProblem problem(inputs, test_case.num_users, test_case.jagged());
+    const std::vector<double> expected = inputs.expected();
+    const std::vector<double> hopper = problem.run(Path::ping_pong);
+    EXPECT_TRUE(matches_reference(hopper, expected, dtype));
+    EXPECT_TRUE(exactly_equal(problem.run(Path::library_default), hopper))
+        << "a call of few tall units ran them";
+    EXPECT_TRUE(matches_reference(problem.run(Path::cooperative_lookahead), expected, dtype));
+  }
 }
 
 // Split keys at the default minimum range: a call of few query tiles and

@@ -115,7 +115,7 @@
 //
 // Tall units (D = 128, default schedule, where keys end inside 128-key
 // blocks: jagged K/V, or dense K/V whose length is not a multiple of 128;
-// in calls of at least kTallMinRounds rounds of them): 192-row tiles over
+// in calls of rounds enough of them, tall_min_rounds): 192-row tiles over
 // three consumer warpgroups (512 threads; producer at 24 registers,
 // consumers at 160) and K/V blocks of 64 keys, without the look-ahead. A
 // user's last block, where its keys end, is half empty on average, and a
@@ -1477,13 +1477,27 @@ std::atomic<int>& min_range_blocks_switch() {
 }
 
 // Tall units take 1.5 times as long as 128-row units, so a call of few of
-// them loses more to its last round than they save (H100, session 31: dense
-// S = 500 / 1000 at B = 256, 176 tall units on 132 SMs, 21-25% slower).
-constexpr int kTallMinRounds = 4;
+// them loses more to its last round than they save. H100, sessions 31-32,
+// H = 2, n_seed = 64, 64 candidates per user, against the two-warpgroup
+// kernels, by rounds of tall units on the SMs (B = 256 ... 4096: 1.35 ...
+// 21.7 rounds):
+// - jagged (S = 512 ... 4096): 18-35% slower at 1.35 rounds, -5 to +7%
+//   from 2 to 5.4, 2.4-5% faster at 8.1 and 1.3-5% at 10.8;
+// - dense tails (S = 64 ... 1000): 1.5-16% slower from 4 to 8.1 rounds
+//   wherever S > 100 (S = 64 and 100 gain there), 0.6-16% faster from 10.8.
+constexpr int kTallMinRoundsJagged = 4;
+constexpr int kTallMinRoundsDense = 10;
 
+// The rounds asked of every call when set (tests), else -1: the rule above.
 std::atomic<int>& tall_min_rounds_switch() {
-  static std::atomic<int> rounds{kTallMinRounds};
+  static std::atomic<int> rounds{-1};
   return rounds;
+}
+
+std::int64_t tall_min_rounds(const AttentionArgs& args) {
+  const int forced = tall_min_rounds_switch().load();
+  if (forced >= 0) return forced;
+  return args.kv_offsets != nullptr ? kTallMinRoundsJagged : kTallMinRoundsDense;
 }
 
 std::atomic<AttentionSm90Schedule>& schedule_switch() {
@@ -1591,7 +1605,7 @@ KeyWalk key_walk(const AttentionArgs& args, AttentionSm90Schedule schedule, int 
   const bool tall = schedule == AttentionSm90Schedule::cooperative_lookahead &&
                     args.head_dim == 128 &&
                     unit_count(args, kTallRows) >=
-                        std::int64_t{tall_min_rounds_switch().load()} * multiprocessors;
+                        tall_min_rounds(args) * multiprocessors;
   if (tall) return ordered ? KeyWalk::tall_length_ordered : KeyWalk::tall;
   return ordered ? KeyWalk::length_ordered : KeyWalk::any;
 }
@@ -1708,7 +1722,7 @@ void set_attention_sm90_schedule(AttentionSm90Schedule schedule) {
 int attention_sm90_tall_min_rounds() { return tall_min_rounds_switch().load(); }
 
 void set_attention_sm90_tall_min_rounds(int rounds) {
-  tall_min_rounds_switch().store(std::max(rounds, 0));
+  tall_min_rounds_switch().store(std::max(rounds, -1));
 }
 
 int attention_sm90_min_range_blocks() { return min_range_blocks_switch().load(); }

@@ -83,9 +83,10 @@ int attention_sm90_min_range_blocks();
 void set_attention_sm90_min_range_blocks(int blocks);
 
 // The fewest rounds of tall units (192 query rows each, on every SM) for
-// which the default schedule runs them at D = 128 (jagged K/V, and dense K/V
-// whose length is not a multiple of 128): 4 (a call of fewer loses more to
-// its last round than tall units save). Tests set 0 to run them on small
+// which the default schedule runs them at D = 128, when set; -1 (the
+// default) leaves the library's rule: 4 for jagged K/V, 10 for dense K/V
+// whose length is not a multiple of 128 (a call of fewer loses more to its
+// last round than tall units save). Tests set 0 to run them on small
 // problems.
 int attention_sm90_tall_min_rounds();
 void set_attention_sm90_tall_min_rounds(int rounds);
