@@ -11,8 +11,8 @@
 
 namespace ikbo::bench {
 
-// Enqueues a kernel of `blocks` blocks on `stream` whose threads spin until
-// `nanoseconds` after they start (the device's global timer).
-void enqueue_gpu_wait(cudaStream_t stream, long long nanoseconds, int blocks);
+// Enqueues a one-thread kernel on `stream` that returns `nanoseconds` after
+// it starts (the device's global timer).
+void enqueue_gpu_wait(cudaStream_t stream, long long nanoseconds);
 
 }  // namespace ikbo::bench

@@ -51,8 +51,6 @@ Timer::Timer(Device device, Stream stream, int settle_ms)
   if (!device.is_cuda()) return;
 #ifdef IKBO_WITH_CUDA
   l2_flush_ = Buffer(l2_flush_bytes(device), device);
-  IKBO_BENCH_CHECK(
-      cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device.index));
   clocks_ = std::make_unique<ClockMonitor>(device.index);
 #else
   throw Error("a CUDA device was requested, but ikbo-bench was built without CUDA");
@@ -136,7 +134,7 @@ std::vector<double> Timer::run_ms_cuda(const std::function<void()>& op, int warm
   // before the GPU reaches it, so none of the host's time sits between two
   // events. (The wait precedes the warm-up, which leaves the GPU as busy
   // before the first timed run as between two of them.)
-  enqueue_gpu_wait(stream, kHeadStartNs, multiprocessors_);
+  enqueue_gpu_wait(stream, kHeadStartNs);
   for (int i = 0; i < warmup; ++i) op();
   const CudaEvent warmed_up;
   IKBO_BENCH_CHECK(cudaEventRecord(warmed_up.get(), stream));

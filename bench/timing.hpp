@@ -57,7 +57,6 @@ class Timer {
 #ifdef IKBO_WITH_CUDA
   std::vector<double> run_ms_cuda(const std::function<void()>& op, int warmup, int reps) const;
   Buffer l2_flush_;
-  int multiprocessors_ = 0;
   std::unique_ptr<ClockMonitor> clocks_;
 #endif
   int settle_ms_;
