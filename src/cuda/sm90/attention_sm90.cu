@@ -1483,7 +1483,7 @@ std::atomic<int>& min_range_blocks_switch() {
 // 21.7 rounds):
 // - jagged (S = 512 ... 4096): 18-35% slower at 1.35 rounds, -5 to +7%
 //   from 2 to 5.4, 2.4-5% faster at 8.1 and 1.3-5% at 10.8;
-// - dense tails (S = 64 ... 1000): 1.5-16% slower from 4 to 8.1 rounds
+// - dense tails (S = 64 ... 1000): 1-16% slower from 4 to 8.1 rounds
 //   wherever S > 100 (S = 64 and 100 gain there), 0.6-16% faster from 10.8.
 constexpr int kTallMinRoundsJagged = 4;
 constexpr int kTallMinRoundsDense = 10;
