@@ -170,6 +170,14 @@ const std::vector<AttentionCase>& sm90_cases() {
       // half-width block (64 keys here, the largest such tail).
       {"seed37_d128_h2_s320_half_last_block", 9, 4, 37, 2, 128, 320, {},
        MapOrder::uneven_unsorted, std::nullopt},
+      // Tall units (64-key blocks): a last block whose new keys fit in 32
+      // runs over 32 of them (32 here; the two-warpgroup kernels take a
+      // half-width 128-key block), at the end of the block for jagged users
+      // (65, 96 and 160 keys; 97 keeps the whole block).
+      {"seed37_d128_h2_s288_quarter_last_block", 9, 4, 37, 2, 128, 288, {},
+       MapOrder::uneven_unsorted, std::nullopt},
+      {"jagged_seed37_d128_h2_quarter_tails", 11, 5, 37, 2, 128, 0, {96, 65, 0, 160, 97},
+       MapOrder::uneven_unsorted, std::nullopt},
       {"seed37_d64_h1_s127_negative_scale", 6, 2, 37, 1, 64, 127, {}, MapOrder::unsorted, -0.2f},
       // Logits of standard deviation ~3.8 (scale 0.5 at D = 128, queries in
       // [-2, 2)): later blocks often exceed the running maxima, so P grows

@@ -1,8 +1,8 @@
 // src/cuda/ptx/wgmma.cuh — warpgroup matrix multiply-accumulate (wgmma,
 // sm_90a only): shared-memory operand descriptors, the m64nNk16 f16/bf16
 // instructions with fp32 accumulators (N = 224 for LCE; N = 64 and 128,
-// with A from shared memory or from registers, for attention), and their
-// fence / commit / wait.
+// with A from shared memory or from registers, and N = 32 from shared
+// memory, for attention), and their fence / commit / wait.
 //
 // One wgmma is issued by the 128 threads of a warpgroup and runs
 // asynchronously: D (registers) += A (shared memory) @ B (shared memory).
@@ -90,20 +90,23 @@ __device__ __forceinline__ void fence_operands(std::uint32_t (&values)[kCount]) 
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(values[i])::"memory");
 }
 
-// Asm operand lists of 8, 32 and 64 fp32 accumulators d[i], d[i + 1], ...
+// Asm operand lists of 8, 16, 32 and 64 fp32 accumulators d[i], d[i + 1], ...
 #define IKBO_WGMMA_ACCUMULATORS_8(d, i)                                                  \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
-#define IKBO_WGMMA_ACCUMULATORS_32(d, i)                                                   \
-  IKBO_WGMMA_ACCUMULATORS_8(d, i), IKBO_WGMMA_ACCUMULATORS_8(d, i + 8),                   \
-      IKBO_WGMMA_ACCUMULATORS_8(d, i + 16), IKBO_WGMMA_ACCUMULATORS_8(d, i + 24)
+#define IKBO_WGMMA_ACCUMULATORS_16(d, i) \
+  IKBO_WGMMA_ACCUMULATORS_8(d, i), IKBO_WGMMA_ACCUMULATORS_8(d, i + 8)
+#define IKBO_WGMMA_ACCUMULATORS_32(d, i) \
+  IKBO_WGMMA_ACCUMULATORS_16(d, i), IKBO_WGMMA_ACCUMULATORS_16(d, i + 16)
 #define IKBO_WGMMA_ACCUMULATORS_64(d, i) \
   IKBO_WGMMA_ACCUMULATORS_32(d, i), IKBO_WGMMA_ACCUMULATORS_32(d, i + 32)
 
-// The asm operand names %0 .. %31 / %63 of the accumulators.
+// The asm operand names %0 .. %15 / %31 / %63 of the accumulators.
+#define IKBO_WGMMA_REGS_16 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define IKBO_WGMMA_REGS_32 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+  IKBO_WGMMA_REGS_16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, " \
+                     "%29, %30, %31"
 #define IKBO_WGMMA_REGS_64                                                          \
   IKBO_WGMMA_REGS_32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
                      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
@@ -140,7 +143,8 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
 #undef IKBO_WGMMA_M64N224K16
 
 // ---- m64n128k16 / m64n64k16, operands from shared memory (SS) or with A
-// from registers (RS): the shapes of the attention kernel ----
+// from registers (RS), and m64n32k16 (SS): the shapes of the attention
+// kernel ----
 //
 // RS form: A is four b32 registers per thread, each holding two f16/bf16
 // elements of the 64 x 16 A tile; within its warp's 16 rows (w = warp of
@@ -168,6 +172,14 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
                IKBO_WGMMA_REGS_32 "},\n"                                                  \
                "%32, %33, accumulate, 1, 1, %35, %36;\n}\n"                               \
                : IKBO_WGMMA_ACCUMULATORS_32(d, 0)                                         \
+               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
+
+#define IKBO_WGMMA_SS_N32(TYPE)                                                           \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %18, 0;\n"             \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE "\n{"          \
+               IKBO_WGMMA_REGS_16 "},\n"                                                  \
+               "%16, %17, accumulate, 1, 1, %19, %20;\n}\n"                               \
+               : IKBO_WGMMA_ACCUMULATORS_16(d, 0)                                         \
                : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
 
 #define IKBO_WGMMA_RS_N128(TYPE)                                                          \
@@ -205,16 +217,25 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
   }
 
 // d (64 x kN, fp32) = a (64 x 16) @ b (16 x kN) + (accumulate ? d : 0) for
-// kN in {64, 128}, both operands in shared memory. kTransposeA /
+// kN in {32, 64, 128}, both operands in shared memory. kTransposeA /
 // kTransposeB: 0 for a K-major operand, 1 for an MN-major one.
 template <typename Element, int kTransposeA, int kTransposeB, int kN>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], std::uint64_t a, std::uint64_t b,
                                          bool accumulate_into_d) {
-  static_assert(kN == 64 || kN == 128, "wgmma_ss is instantiated for N = 64 and N = 128");
+  static_assert(kN == 32 || kN == 64 || kN == 128,
+                "wgmma_ss is instantiated for N = 32, 64 and 128");
   static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>,
                 "wgmma here takes f16 or bf16");
   const std::uint32_t accumulate = accumulate_into_d ? 1 : 0;
-  IKBO_WGMMA_DISPATCH(IKBO_WGMMA_SS_N128, IKBO_WGMMA_SS_N64);
+  if constexpr (kN == 32) {
+    if constexpr (std::is_same_v<Element, __half>) {
+      IKBO_WGMMA_SS_N32("f16");
+    } else {
+      IKBO_WGMMA_SS_N32("bf16");
+    }
+  } else {
+    IKBO_WGMMA_DISPATCH(IKBO_WGMMA_SS_N128, IKBO_WGMMA_SS_N64);
+  }
 }
 
 // d (64 x kN, fp32) = a (64 x 16, registers, see above) @ b (16 x kN,
@@ -234,11 +255,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const std::uint32_t
 #undef IKBO_WGMMA_RS_N64
 #undef IKBO_WGMMA_RS_N128
 #undef IKBO_WGMMA_SS_N64
+#undef IKBO_WGMMA_SS_N32
 #undef IKBO_WGMMA_SS_N128
 #undef IKBO_WGMMA_REGS_64
 #undef IKBO_WGMMA_REGS_32
+#undef IKBO_WGMMA_REGS_16
 #undef IKBO_WGMMA_ACCUMULATORS_64
 #undef IKBO_WGMMA_ACCUMULATORS_32
+#undef IKBO_WGMMA_ACCUMULATORS_16
 #undef IKBO_WGMMA_ACCUMULATORS_8
 
 }  // namespace ikbo::detail::cuda::ptx

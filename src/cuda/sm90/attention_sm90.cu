@@ -125,7 +125,10 @@
 // H100, session 31, B = 2048: jagged lengths uniform in [S/2, 3S/2] 4.4 /
 // 1.9 / 0.6 / 0.5% faster than the two-warpgroup kernels at S = 512 / 1024
 // / 2048 / 4096; dense S = 64 / 100 / 200 / 300 / 500 / 1000 / 3000 16 / 10
-// / 8.5 / 4.5 / 1.1 / 0.4 / 1.1% faster, 1500 level. Dense lengths in
+// / 8.5 / 4.5 / 1.1 / 0.4 / 1.1% faster, 1500 level. A last block whose
+// new keys fit in 32 runs over those 32 (session 32: jagged 2.1 / 2.8 /
+// 2.5% faster at S = 512 / 1024 / 2048, dense S = 96 / 160 / 288 4.3 / 3.7
+// / 2.6%). Dense lengths in
 // whole blocks keep the two-warpgroup kernel (level there, and 192-row
 // tiles round B = 2048's units up by more). The producer's three spare
 // warps all gather Q, so the consumers clear a short user's V rows
@@ -1114,19 +1117,18 @@ struct AttentionSm90Kernel {
     } else if constexpr (tail_out_of_loop(kHeadDim)) {
       // The last block, whose keys may end inside it, runs after the loop
       // with the masked softmax (a full last block through a window of all
-      // its keys), over half the block when its new keys fit there. Each
-      // path retires its products before the paths join: a wgmma still in
-      // flight across the join would make ptxas serialize them all.
+      // its keys), over half the block when its new keys fit there (64
+      // keys; kTall's 64-key blocks 32, an m64n32 QK^T). Each path retires
+      // its products before the paths join: a wgmma still in flight across
+      // the join would make ptxas serialize them all.
       for (int block = 1; block < blocks - 1; ++block) {
         next_block(block, std::false_type{}, Whole{});
       }
-      if constexpr (kBlockN == 128) {  // (kTall's 64-key blocks have no half-width tail)
-        if (blocks > 1 && tail_keys <= kBlockN / 2) {
-          using Half = std::integral_constant<int, kBlockN / 2>;
-          next_block(blocks - 1, std::true_type{}, Half{});
-          last_pv(Half{});
-          return;
-        }
+      if (blocks > 1 && tail_keys <= kBlockN / 2) {
+        using Half = std::integral_constant<int, kBlockN / 2>;
+        next_block(blocks - 1, std::true_type{}, Half{});
+        last_pv(Half{});
+        return;
       }
       if (blocks > 1) next_block(blocks - 1, std::true_type{}, Whole{});
     } else {
