@@ -127,8 +127,8 @@
 // / 2048 / 4096; dense S = 64 / 100 / 200 / 300 / 500 / 1000 / 3000 16 / 10
 // / 8.5 / 4.5 / 1.1 / 0.4 / 1.1% faster, 1500 level. A last block whose
 // new keys fit in 32 runs over those 32 (session 32: jagged 2.1 / 2.8 /
-// 2.5% faster at S = 512 / 1024 / 2048, dense S = 96 / 160 / 288 4.3 / 3.7
-// / 2.6%). Dense lengths in
+// 2.5% faster at S = 512 / 1024 / 2048, dense S = 96 / 160 / 288 4.3 / 3.9
+// / 2.8%). Dense lengths in
 // whole blocks keep the two-warpgroup kernel (level there, and 192-row
 // tiles round B = 2048's units up by more). The producer's three spare
 // warps all gather Q, so the consumers clear a short user's V rows
