@@ -14,8 +14,8 @@ __device__ long long global_timer_ns() {
 
 // One thread that sleeps between its reads of the timer: the GPU waits at
 // next to no power, so the runs after it start from the state the timer
-// settled (a busy wait on every SM made attention at S = 8192 6.5% slower,
-// power-limited, in session 32).
+// settled (a busy wait on every SM, tried in session 32, drew power before
+// the series and measured the same).
 __global__ void wait_kernel(long long nanoseconds) {
   const long long start = global_timer_ns();
   while (global_timer_ns() - start < nanoseconds) __nanosleep(10000);
