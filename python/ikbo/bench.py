@@ -428,13 +428,16 @@ class Timer:
             torch.cuda._sleep(self.HEAD_START_CYCLES)
         for _ in range(self.warmup):
             run(*arguments())
-        warmed_up = torch.cuda.Event()
-        warmed_up.record()
-        events = []
         # The clock is sampled while the timed runs run: from when the GPU
-        # reaches them (host_ahead), else from their enqueueing.
-        if not self.host_ahead:
+        # reaches them (host_ahead: once the warm-up is done), else from
+        # their enqueueing.
+        warmed_up = None
+        if self.host_ahead:
+            warmed_up = torch.cuda.Event()
+            warmed_up.record()
+        else:
             self._clocks.start()
+        events = []
         try:
             for _ in range(self.reps):
                 args = arguments()
@@ -445,7 +448,7 @@ class Timer:
                 run(*args)
                 end.record()
                 events.append((start, end))
-            if self.host_ahead:
+            if warmed_up is not None:
                 warmed_up.synchronize()
                 self._clocks.start()
             torch.cuda.synchronize(self.device)

@@ -135,7 +135,7 @@ class PathScope {
   bool previous_enabled_ = true;
   detail::cuda::AttentionSm90Schedule previous_schedule_{};
   int previous_min_range_blocks_ = 1;
-  int previous_tall_min_rounds_ = 0;
+  int previous_tall_min_rounds_ = -1;
 #endif
 };
 

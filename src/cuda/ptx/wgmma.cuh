@@ -200,20 +200,12 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
                  "n"(kTransposeB))
 
-// The instruction for kN and Element: PTX takes the type as a literal.
-#define IKBO_WGMMA_DISPATCH(N128, N64)                 \
-  if constexpr (kN == 128) {                           \
-    if constexpr (std::is_same_v<Element, __half>) {   \
-      N128("f16");                                     \
-    } else {                                           \
-      N128("bf16");                                    \
-    }                                                  \
-  } else {                                             \
-    if constexpr (std::is_same_v<Element, __half>) {   \
-      N64("f16");                                      \
-    } else {                                           \
-      N64("bf16");                                     \
-    }                                                  \
+// The instruction for Element: PTX takes the type as a literal.
+#define IKBO_WGMMA_TYPED(INSTRUCTION)               \
+  if constexpr (std::is_same_v<Element, __half>) {  \
+    INSTRUCTION("f16");                             \
+  } else {                                          \
+    INSTRUCTION("bf16");                            \
   }
 
 // d (64 x kN, fp32) = a (64 x 16) @ b (16 x kN) + (accumulate ? d : 0) for
@@ -227,14 +219,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], std::uint64_t a, st
   static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>,
                 "wgmma here takes f16 or bf16");
   const std::uint32_t accumulate = accumulate_into_d ? 1 : 0;
-  if constexpr (kN == 32) {
-    if constexpr (std::is_same_v<Element, __half>) {
-      IKBO_WGMMA_SS_N32("f16");
-    } else {
-      IKBO_WGMMA_SS_N32("bf16");
-    }
+  if constexpr (kN == 128) {
+    IKBO_WGMMA_TYPED(IKBO_WGMMA_SS_N128);
+  } else if constexpr (kN == 64) {
+    IKBO_WGMMA_TYPED(IKBO_WGMMA_SS_N64);
   } else {
-    IKBO_WGMMA_DISPATCH(IKBO_WGMMA_SS_N128, IKBO_WGMMA_SS_N64);
+    IKBO_WGMMA_TYPED(IKBO_WGMMA_SS_N32);
   }
 }
 
@@ -248,10 +238,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const std::uint32_t
   static_assert(std::is_same_v<Element, __half> || std::is_same_v<Element, __nv_bfloat16>,
                 "wgmma here takes f16 or bf16");
   const std::uint32_t accumulate = accumulate_into_d ? 1 : 0;
-  IKBO_WGMMA_DISPATCH(IKBO_WGMMA_RS_N128, IKBO_WGMMA_RS_N64);
+  if constexpr (kN == 128) {
+    IKBO_WGMMA_TYPED(IKBO_WGMMA_RS_N128);
+  } else {
+    IKBO_WGMMA_TYPED(IKBO_WGMMA_RS_N64);
+  }
 }
 
-#undef IKBO_WGMMA_DISPATCH
+#undef IKBO_WGMMA_TYPED
 #undef IKBO_WGMMA_RS_N64
 #undef IKBO_WGMMA_RS_N128
 #undef IKBO_WGMMA_SS_N64

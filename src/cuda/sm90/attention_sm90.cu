@@ -128,11 +128,10 @@
 // / 8.5 / 4.5 / 1.1 / 0.4 / 1.1% faster, 1500 level. A last block whose
 // new keys fit in 32 runs over those 32 (session 32: jagged 2.1 / 2.8 /
 // 2.5% faster at S = 512 / 1024 / 2048, dense S = 96 / 160 / 288 4.3 / 3.9
-// / 2.8%). Dense lengths in
-// whole blocks keep the two-warpgroup kernel (level there, and 192-row
-// tiles round B = 2048's units up by more). The producer's three spare
-// warps all gather Q, so the consumers clear a short user's V rows
-// themselves (fix_up).
+// / 2.8%). Dense lengths in whole blocks keep the two-warpgroup kernel
+// (level there, and 192-row tiles round B = 2048's units up by more). The
+// producer's three spare warps all gather Q, so the consumers clear a short
+// user's V rows themselves (fix_up).
 //
 // Ping-pong (AttentionSm90Schedule::ping_pong): each consumer issues its
 // GEMMs of a step only in its turn, named barrier 1 + consumer, and passes
@@ -318,10 +317,10 @@ template <typename Element, int kHeadDim, bool kPingPong, bool kLookahead,
           bool kLengthOrder = false, bool kWholeBlocks = false, bool kSplitKeys = false,
           int kConsumers = 2>
 struct AttentionSm90Kernel {
-  // kConsumers = 3 (kTall, jagged K/V at D = 128; see the header comment):
-  // 192-row tiles over three consumer warpgroups and 64-key blocks, without
-  // the look-ahead, whose copy of O the consumers' 160 registers have no
-  // room for.
+  // kConsumers = 3 (kTall, D = 128 where keys end inside 128-key blocks;
+  // see the header comment): 192-row tiles over three consumer warpgroups
+  // and 64-key blocks, without the look-ahead, whose copy of O the
+  // consumers' 160 registers have no room for.
   static constexpr bool kTall = kConsumers == kTallConsumers;
   static_assert(!kTall || (kHeadDim == 128 && !kPingPong && !kLookahead && !kSplitKeys &&
                            !kWholeBlocks));
