@@ -414,9 +414,12 @@ class Timer:
         if self._clocks is not None and self.settle_ms > 0:
             torch.cuda.synchronize(self.device)
             settled_ms = self._clocks.settle(self.settle_ms)
-        if self._l2_flush is None:
-            for _ in range(self.warmup):
-                run(*arguments())
+        gpu = self._l2_flush is not None
+        if gpu and self.host_ahead:
+            torch.cuda._sleep(self.HEAD_START_CYCLES)
+        for _ in range(self.warmup):
+            run(*arguments())
+        if not gpu:
             samples = []
             for _ in range(self.reps):
                 args = arguments()
@@ -424,10 +427,6 @@ class Timer:
                 run(*args)
                 samples.append((time.perf_counter() - start) * 1e3)
             return samples
-        if self.host_ahead:
-            torch.cuda._sleep(self.HEAD_START_CYCLES)
-        for _ in range(self.warmup):
-            run(*arguments())
         # The clock is sampled while the timed runs run: from when the GPU
         # reaches them (host_ahead: once the warm-up is done), else from
         # their enqueueing.

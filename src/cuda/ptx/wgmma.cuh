@@ -158,47 +158,41 @@ __device__ __forceinline__ void wgmma_m64n224k16(float (&d)[112], std::uint64_t 
 // values until the wgmma has retired (wgmma_wait), which fence_operands on
 // them after the wait guarantees. There is no transpose flag for A.
 
+// One m64nNk16 wgmma of N / 2 accumulators (REGS, ACCUMULATORS: the lists
+// above). Inline asm numbers its operands by position (nvcc takes no
+// symbolic names), so each shape passes the numbers of the operands after
+// the accumulators: the descriptors or A registers and B, the accumulate
+// flag, and the transpose immediates.
+#define IKBO_WGMMA_SS(TYPE, N, REGS, ACCUMULATORS, A, B, ACCUMULATE, TRANSPOSE_A, TRANSPOSE_B) \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " ACCUMULATE ", 0;\n"       \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE "\n{" REGS      \
+               "},\n" A ", " B ", accumulate, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"  \
+               : ACCUMULATORS(d, 0)                                                          \
+               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
+
+#define IKBO_WGMMA_RS(TYPE, N, REGS, ACCUMULATORS, A, B, ACCUMULATE, TRANSPOSE_B)           \
+  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " ACCUMULATE ", 0;\n"    \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TYPE "." TYPE "\n{" REGS   \
+               "},\n{" A "}, " B ", accumulate, 1, 1, " TRANSPOSE_B ";\n}\n"              \
+               : ACCUMULATORS(d, 0)                                                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
+                 "n"(kTransposeB))
+
 #define IKBO_WGMMA_SS_N128(TYPE)                                                          \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"             \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
-               IKBO_WGMMA_REGS_64 "},\n"                                                  \
-               "%64, %65, accumulate, 1, 1, %67, %68;\n}\n"                               \
-               : IKBO_WGMMA_ACCUMULATORS_64(d, 0)                                         \
-               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
-
+  IKBO_WGMMA_SS(TYPE, "128", IKBO_WGMMA_REGS_64, IKBO_WGMMA_ACCUMULATORS_64, "%64", "%65", \
+                "%66", "%67", "%68")
 #define IKBO_WGMMA_SS_N64(TYPE)                                                           \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"             \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
-               IKBO_WGMMA_REGS_32 "},\n"                                                  \
-               "%32, %33, accumulate, 1, 1, %35, %36;\n}\n"                               \
-               : IKBO_WGMMA_ACCUMULATORS_32(d, 0)                                         \
-               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
-
+  IKBO_WGMMA_SS(TYPE, "64", IKBO_WGMMA_REGS_32, IKBO_WGMMA_ACCUMULATORS_32, "%32", "%33",  \
+                "%34", "%35", "%36")
 #define IKBO_WGMMA_SS_N32(TYPE)                                                           \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %18, 0;\n"             \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE "\n{"          \
-               IKBO_WGMMA_REGS_16 "},\n"                                                  \
-               "%16, %17, accumulate, 1, 1, %19, %20;\n}\n"                               \
-               : IKBO_WGMMA_ACCUMULATORS_16(d, 0)                                         \
-               : "l"(a), "l"(b), "r"(accumulate), "n"(kTransposeA), "n"(kTransposeB))
-
+  IKBO_WGMMA_SS(TYPE, "32", IKBO_WGMMA_REGS_16, IKBO_WGMMA_ACCUMULATORS_16, "%16", "%17",  \
+                "%18", "%19", "%20")
 #define IKBO_WGMMA_RS_N128(TYPE)                                                          \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %69, 0;\n"             \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE "\n{"         \
-               IKBO_WGMMA_REGS_64 "},\n"                                                  \
-               "{%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n}\n"                   \
-               : IKBO_WGMMA_ACCUMULATORS_64(d, 0)                                         \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
-                 "n"(kTransposeB))
-
+  IKBO_WGMMA_RS(TYPE, "128", IKBO_WGMMA_REGS_64, IKBO_WGMMA_ACCUMULATORS_64,              \
+                "%64, %65, %66, %67", "%68", "%69", "%70")
 #define IKBO_WGMMA_RS_N64(TYPE)                                                           \
-  asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"             \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE "\n{"          \
-               IKBO_WGMMA_REGS_32 "},\n"                                                  \
-               "{%32, %33, %34, %35}, %36, accumulate, 1, 1, %38;\n}\n"                   \
-               : IKBO_WGMMA_ACCUMULATORS_32(d, 0)                                         \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate),     \
-                 "n"(kTransposeB))
+  IKBO_WGMMA_RS(TYPE, "64", IKBO_WGMMA_REGS_32, IKBO_WGMMA_ACCUMULATORS_32,               \
+                "%32, %33, %34, %35", "%36", "%37", "%38")
 
 // The instruction for Element: PTX takes the type as a literal.
 #define IKBO_WGMMA_TYPED(INSTRUCTION)               \
@@ -251,6 +245,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const std::uint32_t
 #undef IKBO_WGMMA_SS_N64
 #undef IKBO_WGMMA_SS_N32
 #undef IKBO_WGMMA_SS_N128
+#undef IKBO_WGMMA_RS
+#undef IKBO_WGMMA_SS
 #undef IKBO_WGMMA_REGS_64
 #undef IKBO_WGMMA_REGS_32
 #undef IKBO_WGMMA_REGS_16
