@@ -552,6 +552,41 @@ TEST_F(AttentionSm90Test, PredictedMaximaAcrossUsersOfDifferentScales) {
   }
 }
 
+// Dense K/V in whole blocks, keys scaled by 16^j in block j for even users
+// (each block's maxima overtake the running ones by far more than the lazy
+// rescaling allows, and from block 2 on P computed from the old maxima
+// overflows to Inf) and by 16^(3 - j) for odd ones (no block after the first
+// rescales): the default schedule's exponentials under PV must take the
+// exact path (its scores computed again by mma.sync) and give the bits the
+// ping-pong schedule gets from the wgmma scores.
+TEST_F(AttentionSm90Test, LogitsRisingAcrossBlocksTakeTheExactPath) {
+  constexpr std::int64_t kHeadDim = 128, kSeqLen = 512, kBlock = 128, kHeads = 2;
+  for (const DType dtype : {DType::f16, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    SeededRng rng;
+    const AttentionCase test_case{
+        "rising_blocks", 600, 4, 37, kHeads, kHeadDim, kSeqLen, {}, MapOrder::unsorted,
+        std::nullopt};
+    AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+    const std::size_t key_values = kHeads * kHeadDim;
+    for (std::size_t i = 0; i < inputs.k.values.size(); ++i) {
+      const auto key = static_cast<std::int64_t>(i / key_values);  // user * S + key
+      const std::int64_t block = key % kSeqLen / kBlock;
+      const bool rising = key / kSeqLen % 2 == 0;
+      inputs.k.values[i] *= std::ldexp(1.0, 4 * static_cast<int>(rising ? block : 3 - block));
+    }
+    const DeviceProblem problem(inputs, test_case.num_users, false);
+    const std::vector<double> expected = inputs.expected();
+    const std::vector<double> hopper = problem.run(Path::cooperative_lookahead);
+    EXPECT_TRUE(matches_reference(hopper, expected, dtype));
+    EXPECT_LE(max_abs_error(hopper, expected), dtype == DType::f16 ? 2e-3 : 8e-3);
+    EXPECT_TRUE(exactly_equal(problem.run(Path::cooperative_lookahead), hopper))
+        << "two runs on identical inputs differ";
+    EXPECT_TRUE(exactly_equal(problem.run(Path::ping_pong), hopper))
+        << "ping-pong differs from cooperative_lookahead";
+  }
+}
+
 // ---- The published grid, against an fp32 reference on the GPU ----
 
 #ifdef IKBO_WITH_CUDA

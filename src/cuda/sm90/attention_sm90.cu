@@ -81,9 +81,10 @@
 //   softmax(S) -> P; then for j >= 1: issue S = Q K_j^T and, once V_{j-1}
 //   has landed, O += P V_{j-1} (wgmma with P as the register A operand, V
 //   MN-major), wait for both (the tensor pipe takes a warpgroup's wgmmas
-//   about as fast as it runs them, so little is left of them by then),
-//   softmax(S) while the other warpgroup's products run, rescale O if a
-//   row's maximum grew; finally O += P V_{n-1} and the epilogue. O is
+//   about as fast as it runs them, so little is left of them by then;
+//   whole-block kernels wait for S alone and exponentiate under the PV
+//   product: kExpsUnderPv), softmax(S) while the other warpgroup's products
+//   run, rescale O if a row's maximum grew; finally O += P V_{n-1} and the epilogue. O is
 //   started by the unit's first PV product (scale-d = 0), never zeroed by
 //   ordinary instructions (see the look-ahead below). The online softmax
 //   runs in fp32 on exp2 with scale * log2(e) folded into one FFMA per
@@ -343,6 +344,18 @@ struct AttentionSm90Kernel {
   // producer has beside the TMA thread's, and the consumers clear the V rows
   // of a short jagged user's block themselves (fix_up).
   static constexpr bool kFixUpWarp = !kWholeBlocks && !kTall;
+  // Exponentials under PV (the default schedule's whole-block kernels):
+  // block j waits for its QK^T alone, exponentiates the scores in place
+  // while PV_{j-1} still runs, and rounds P into the PV operand once that
+  // product has retired (FlashAttention-3's order). A warp whose P fails the
+  // lazy-rescaling check computes its scores again with mma.sync (its K
+  // block is still held; a wgmma would need the whole warpgroup to fail)
+  // and takes the exact path. H100, session 34 (same call, two passes):
+  // S = 512 / 1024 / 2048 / 4096 +0.4-1.2 / 1.2-1.3 / 1.4-1.7 / 1.8-2.1%,
+  // bf16 at 2048 +1.7%, logits of standard deviation 4 level to +0.6%.
+  // Elsewhere ptxas serializes the wgmmas (the general cooperative kernel)
+  // or spills more (tall units), and the others are unmeasured.
+  static constexpr bool kExpsUnderPv = kWholeBlocks && kLookahead && !kPingPong;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
                 "split keys run the cooperative schedule's general kernel");
@@ -730,7 +743,7 @@ struct AttentionSm90Kernel {
   // The first block: with `predicted`, row_max holds the maxima of the
   // rows of an earlier unit, tried as the reference first (kPredictFloor);
   // then the return value says whether the guess missed.
-  template <bool kMasked, bool kFirst, int kColumns = kBlockN>
+  template <bool kMasked, bool kFirst, int kColumns = kBlockN, bool kKnownRescale = false>
   __device__ __forceinline__ static bool online_softmax(ConsumerRegisters& registers,
                                                         float (&correction)[2], float scale_log2,
                                                         int first_valid, int valid_keys,
@@ -777,7 +790,7 @@ struct AttentionSm90Kernel {
         }
       }
       registers.row_max[0] = registers.row_max[1] = -INFINITY;
-    } else {
+    } else if constexpr (!kKnownRescale) {
       exponentiate();
       const bool rescale =
           __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
@@ -827,6 +840,68 @@ struct AttentionSm90Kernel {
       registers.row_sum[half] = registers.row_sum[half] * correction[half] + block_sum[half];
     }
     return true;
+  }
+
+  // kExpsUnderPv: a block's P from the running maxima (the same
+  // instructions as online_softmax's), in fp32 in place of its scores, and
+  // this thread's sums of it per row half; pack_scores rounds it into
+  // p_fragments once the previous PV has retired.
+  __device__ __forceinline__ static void exponentiate_scores(ConsumerRegisters& registers,
+                                                             float scale_log2,
+                                                             float (&block_sum)[2]) {
+    block_sum[0] = block_sum[1] = 0.0f;
+#pragma unroll
+    for (int index = 0; index < kScoreRegisters; ++index) {
+      const int half = (index / 2) % 2;
+      registers.scores[index] = ptx::exp2_approx(
+          fmaf(registers.scores[index], scale_log2, -registers.row_max[half]));
+      block_sum[half] += registers.scores[index];
+    }
+  }
+
+  // kExpsUnderPv: this warp's 16 rows of S = Q K^T for the K block in
+  // `k_stage`, by mma.sync m16n8k16 from the swizzled tiles (its C fragment
+  // is the wgmma accumulator's layout for the warp's rows).
+  __device__ __forceinline__ static void recompute_scores(ConsumerRegisters& registers,
+                                                          const SharedStorage& shared, int slot,
+                                                          int consumer, int k_stage) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;
+    const std::uint32_t q_tile = ptx::shared_address(shared.q_tiles[slot].q[0]);
+    const std::uint32_t k_tile = ptx::shared_address(shared.stages[k_stage].tile[0]);
+    const int matrix = lane / 8;
+    const int q_row = consumer * kWarpgroupRows + warp * 16 + (matrix % 2) * 8 + lane % 8;
+    const int key = (matrix / 2) * 8 + lane % 8;
+#pragma unroll
+    for (int i = 0; i < kScoreRegisters; ++i) registers.scores[i] = 0.0f;
+#pragma unroll 1
+    for (int step = 0; step < kHeadDim / kWgmmaK; ++step) {
+      std::uint32_t a[4];
+      ptx::ldmatrix_x4(a, q_tile + tile_offset<kTileRows>(q_row, 2 * step + matrix / 2));
+      // Keys 16 * pair + key share their row % 8, hence their swizzled chunk.
+      const std::uint32_t keys = k_tile + tile_offset<kBlockN>(key, 2 * step + matrix % 2);
+#pragma unroll
+      for (int pair = 0; pair < kBlockN / 16; ++pair) {
+        std::uint32_t b[4];
+        ptx::ldmatrix_x4(b, keys + pair * 16 * kSwizzleRowBytes);
+        auto& low = *reinterpret_cast<float(*)[4]>(registers.scores + 8 * pair);
+        auto& high = *reinterpret_cast<float(*)[4]>(registers.scores + 8 * pair + 4);
+        ptx::mma_m16n8k16<Element>(low, a, b[0], b[1]);
+        ptx::mma_m16n8k16<Element>(high, a, b[2], b[3]);
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void pack_scores(ConsumerRegisters& registers) {
+#pragma unroll
+    for (int slice = 0; slice < kPvSlices; ++slice) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int index = 8 * slice + 2 * i;
+        registers.p_fragments[slice][i] =
+            ptx::pack_pair<Element>(registers.scores[index], registers.scores[index + 1]);
+      }
+    }
   }
 
   // The operand descriptors of a unit: this warpgroup's 64 rows of Q, and
@@ -1061,6 +1136,35 @@ struct AttentionSm90Kernel {
       const int v_stage = steps.wait(value_step(block - 1, blocks));
       issue_pv(registers, descriptors, v_stage, block > 1);  // PV_0 starts O
       turn_end(consumer);
+      if constexpr (kExpsUnderPv && kColumns == kBlockN &&
+                    std::is_same_v<decltype(masked), std::false_type>) {
+        ptx::wgmma_wait<1>();  // S_j; PV_{j-1} may still run
+        ptx::fence_operands(registers.scores);
+        float block_sum[2];
+        exponentiate_scores(registers, scale_log2, block_sum);
+        const bool rescale =
+            __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
+        ptx::wgmma_wait<0>();
+        ptx::fence_operands(registers.scores);
+        fence_pv_operands(registers);
+        steps.release(v_stage);
+        if (!rescale) {
+          steps.release(k_stage);
+          pack_scores(registers);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) registers.row_sum[half] += block_sum[half];
+          return;
+        }
+        // The warp's scores again (mma.sync: the decision is the warp's, and a
+        // wgmma takes the whole warpgroup), then the exact path.
+        recompute_scores(registers, shared, slot, consumer, k_stage);
+        steps.release(k_stage);
+        online_softmax<false, false, kColumns, true>(registers, correction, scale_log2, 0,
+                                                     kBlockN);
+#pragma unroll
+        for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
+        return;
+      }
       ptx::wgmma_wait<0>();
       ptx::fence_operands(registers.scores);
       fence_pv_operands(registers);
