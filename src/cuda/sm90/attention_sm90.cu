@@ -83,10 +83,11 @@
 //   MN-major), wait for both (the tensor pipe takes a warpgroup's wgmmas
 //   about as fast as it runs them, so little is left of them by then;
 //   whole-block kernels wait for S alone and exponentiate under the PV
-//   product: kExpsUnderPv), softmax(S) while the other warpgroup's products
-//   run, rescale O if a row's maximum grew; finally O += P V_{n-1} and the epilogue. O is
-//   started by the unit's first PV product (scale-d = 0), never zeroed by
-//   ordinary instructions (see the look-ahead below). The online softmax
+//   product: kExpsUnderPv), softmax(S) while the other warpgroup's
+//   products run, rescale O if a row's maximum grew; finally
+//   O += P V_{n-1} and the epilogue. O is started by the unit's first PV
+//   product (scale-d = 0), never zeroed by ordinary instructions (see the
+//   look-ahead below). The online softmax
 //   runs in fp32 on exp2 with scale * log2(e) folded into one FFMA per
 //   score; the row maximum is taken on raw scores (their minimum when the
 //   scale is negative); keys past the user's length are excluded from it
@@ -353,8 +354,9 @@ struct AttentionSm90Kernel {
   // and takes the exact path. H100, session 34 (same call, two passes):
   // S = 512 / 1024 / 2048 / 4096 +0.4-1.2 / 1.2-1.3 / 1.4-1.7 / 1.8-2.1%,
   // bf16 at 2048 +1.7%, logits of standard deviation 4 level to +0.6%.
-  // Elsewhere ptxas serializes the wgmmas (the general cooperative kernel)
-  // or spills more (tall units), and the others are unmeasured.
+  // In the cooperative kernel without the look-ahead ptxas serializes the
+  // wgmmas (C7511); the tall and the general look-ahead kernels compile
+  // without new spills but are unmeasured.
   static constexpr bool kExpsUnderPv = kWholeBlocks && kLookahead && !kPingPong;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
@@ -728,7 +730,8 @@ struct AttentionSm90Kernel {
   // first_valid on count (the others get P = 0). kFirst: the unit's first
   // block (no running maximum yet). kColumns: the scores of a block kColumns
   // keys wide (a half-width last block fills the first kColumns / 16
-  // slices of P).
+  // slices of P). kKnownRescale: the caller has found that the block fails
+  // the lazy-rescaling check; straight to the maxima.
   //
   // Lazy rescaling: a warp keeps its rows' running maxima while a block's P,
   // computed from them, sums to at most kRescaleLimit over each thread's
