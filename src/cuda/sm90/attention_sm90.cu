@@ -1139,19 +1139,20 @@ struct AttentionSm90Kernel {
       const int v_stage = steps.wait(value_step(block - 1, blocks));
       issue_pv(registers, descriptors, v_stage, block > 1);  // PV_0 starts O
       turn_end(consumer);
+      bool rescale;
       if constexpr (kExpsUnderPv && kColumns == kBlockN &&
                     std::is_same_v<decltype(masked), std::false_type>) {
         ptx::wgmma_wait<1>();  // S_j; PV_{j-1} may still run
         ptx::fence_operands(registers.scores);
         float block_sum[2];
         exponentiate_scores(registers, scale_log2, block_sum);
-        const bool rescale =
+        const bool fails =
             __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
         ptx::wgmma_wait<0>();
         ptx::fence_operands(registers.scores);
         fence_pv_operands(registers);
         steps.release(v_stage);
-        if (!rescale) {
+        if (!fails) {
           steps.release(k_stage);
           pack_scores(registers);
 #pragma unroll
@@ -1162,29 +1163,26 @@ struct AttentionSm90Kernel {
         // wgmma takes the whole warpgroup), then the exact path.
         recompute_scores(registers, shared, slot, consumer, k_stage);
         steps.release(k_stage);
-        online_softmax<false, false, kColumns, true>(registers, correction, scale_log2, 0,
-                                                     kBlockN);
-#pragma unroll
-        for (int i = 0; i < kOutRegisters; ++i) registers.out_acc[i] *= correction[(i / 2) % 2];
-        return;
-      }
-      ptx::wgmma_wait<0>();
-      ptx::fence_operands(registers.scores);
-      fence_pv_operands(registers);
-      steps.release(k_stage);
-      steps.release(v_stage);
-      const auto softmax = [&](auto masked_softmax) {
-        constexpr bool kMasked = decltype(masked_softmax)::value;
-        return online_softmax<kMasked, false, kColumns>(registers, correction, scale_log2,
-                                                        kMasked ? tail_first - first_key : 0,
-                                                        kMasked ? tail_keys : kBlockN);
-      };
-      bool rescale;
-      if constexpr (std::is_same_v<decltype(masked), MaskWhereKeysEnd>) {
-        rescale = block == blocks - 1 && tail_keys < kBlockN ? softmax(std::true_type{})
-                                                              : softmax(std::false_type{});
+        rescale = online_softmax<false, false, kColumns, true>(registers, correction,
+                                                               scale_log2, 0, kBlockN);
       } else {
-        rescale = softmax(masked);
+        ptx::wgmma_wait<0>();
+        ptx::fence_operands(registers.scores);
+        fence_pv_operands(registers);
+        steps.release(k_stage);
+        steps.release(v_stage);
+        const auto softmax = [&](auto masked_softmax) {
+          constexpr bool kMasked = decltype(masked_softmax)::value;
+          return online_softmax<kMasked, false, kColumns>(registers, correction, scale_log2,
+                                                          kMasked ? tail_first - first_key : 0,
+                                                          kMasked ? tail_keys : kBlockN);
+        };
+        if constexpr (std::is_same_v<decltype(masked), MaskWhereKeysEnd>) {
+          rescale = block == blocks - 1 && tail_keys < kBlockN ? softmax(std::true_type{})
+                                                                : softmax(std::false_type{});
+        } else {
+          rescale = softmax(masked);
+        }
       }
       if (rescale) {
 #pragma unroll
