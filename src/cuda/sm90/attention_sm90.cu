@@ -82,12 +82,12 @@
 //   has landed, O += P V_{j-1} (wgmma with P as the register A operand, V
 //   MN-major), wait for both (the tensor pipe takes a warpgroup's wgmmas
 //   about as fast as it runs them, so little is left of them by then;
-//   whole-block kernels wait for S alone and exponentiate under the PV
-//   product: kExpsUnderPv), softmax(S) while the other warpgroup's
-//   products run, rescale O if a row's maximum grew; finally
-//   O += P V_{n-1} and the epilogue. O is started by the unit's first PV
-//   product (scale-d = 0), never zeroed by ordinary instructions (see the
-//   look-ahead below). The online softmax
+//   the whole-block and tall kernels wait for S alone in blocks whose keys
+//   all count and exponentiate under the PV product: kExpsUnderPv),
+//   softmax(S) while the other warpgroup's products run, rescale O if a
+//   row's maximum grew; finally O += P V_{n-1} and the epilogue. O is
+//   started by the unit's first PV product (scale-d = 0), never zeroed by
+//   ordinary instructions (see the look-ahead below). The online softmax
 //   runs in fp32 on exp2 with scale * log2(e) folded into one FFMA per
 //   score; the row maximum is taken on raw scores (their minimum when the
 //   scale is negative); keys past the user's length are excluded from it
@@ -345,19 +345,24 @@ struct AttentionSm90Kernel {
   // producer has beside the TMA thread's, and the consumers clear the V rows
   // of a short jagged user's block themselves (fix_up).
   static constexpr bool kFixUpWarp = !kWholeBlocks && !kTall;
-  // Exponentials under PV (the default schedule's whole-block kernels):
-  // block j waits for its QK^T alone, exponentiates the scores in place
-  // while PV_{j-1} still runs, and rounds P into the PV operand once that
-  // product has retired (FlashAttention-3's order). A warp whose P fails the
+  // Exponentials under PV (at D = 128, the default schedule's whole-block
+  // and tall kernels, in the blocks whose keys all count: D = 64 masks
+  // every block where keys end, D = 256 has no look-ahead; the kernels with
+  // a fixer warp would order its zeros after the consumers' ordinary reads
+  // of a stage only through the copies, which racecheck cannot see): block j
+  // waits for its QK^T alone, exponentiates the scores in place while
+  // PV_{j-1} still runs, and rounds P into the PV operand once that product
+  // has retired (FlashAttention-3's order). A warp whose P fails the
   // lazy-rescaling check computes its scores again with mma.sync (its K
   // block is still held; a wgmma would need the whole warpgroup to fail)
   // and takes the exact path. H100, session 34 (same call, two passes):
   // S = 512 / 1024 / 2048 / 4096 +0.4-1.2 / 1.2-1.3 / 1.4-1.7 / 1.8-2.1%,
   // bf16 at 2048 +1.7%, logits of standard deviation 4 level to +0.6%.
-  // In the cooperative kernel without the look-ahead ptxas serializes the
-  // wgmmas (C7511); the tall and the general look-ahead kernels compile
-  // without new spills but are unmeasured.
-  static constexpr bool kExpsUnderPv = kWholeBlocks && kLookahead && !kPingPong;
+  // Session 35, the tall kernels: jagged S = 512 / 1024 / 2048 +0.6-1.4 /
+  // 1.5-2.0 / 1.7-1.8%, dense tails S = 500 / 1000 / 3000 +2.4-3.0%. In the
+  // cooperative kernel without the look-ahead ptxas serializes the wgmmas
+  // (C7511).
+  static constexpr bool kExpsUnderPv = (kWholeBlocks && kLookahead && !kPingPong) || kTall;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
                 "split keys run the cooperative schedule's general kernel");
@@ -1162,7 +1167,7 @@ struct AttentionSm90Kernel {
         // The warp's scores again (mma.sync: the decision is the warp's, and a
         // wgmma takes the whole warpgroup), then the exact path.
         recompute_scores(registers, shared, slot, consumer, k_stage);
-        steps.release(k_stage);
+        steps.release_read(k_stage);
         rescale = online_softmax<false, false, kColumns, true>(registers, correction,
                                                                scale_log2, 0, kBlockN);
       } else {
@@ -1199,6 +1204,10 @@ struct AttentionSm90Kernel {
         if (fix_up_step(params, info, last_step)) steps.wait_fixed(v_stage);
       } else if constexpr (kTall) {
         if (fix_up_step(params, info, last_step)) {
+          // The consumers' ordinary reads of the stage's earlier contents
+          // (recompute_scores) come first: the copies that refilled it order
+          // them, but compute-sanitizer's racecheck cannot see through those.
+          ptx::named_barrier_sync<kConsumers * kWarpgroupThreads>(kFixBarrier);
           fix_up(params, info, last_step, shared.stages[v_stage],
                  consumer * kWarpgroupThreads + thread_index_here() % kWarpgroupThreads,
                  kConsumers * kWarpgroupThreads);

@@ -394,6 +394,13 @@ struct ConsumerSteps {
     release_stage<kClusterSize>(empty, stage);
   }
 
+  // The same for a stage this warp also read with ordinary instructions
+  // (ldmatrix): every lane's reads are ordered before the leader's arrival.
+  __device__ __forceinline__ void release_read(int stage) const {
+    __syncwarp();
+    release_stage<kClusterSize>(empty, stage);
+  }
+
   // Waits until the fixer has amended `stage` (see stage fix-ups).
   __device__ __forceinline__ void wait_fixed(int stage) {
     ptx::mbarrier_wait(&fixed[stage], (fixed_phases >> stage) & 1u);
