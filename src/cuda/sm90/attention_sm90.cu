@@ -358,10 +358,10 @@ struct AttentionSm90Kernel {
   // and takes the exact path. H100, session 34 (same call, two passes):
   // S = 512 / 1024 / 2048 / 4096 +0.4-1.2 / 1.2-1.3 / 1.4-1.7 / 1.8-2.1%,
   // bf16 at 2048 +1.7%, logits of standard deviation 4 level to +0.6%.
-  // Session 35, the tall kernels: jagged S = 512 / 1024 / 2048 +0.6-1.4 /
-  // 1.5-2.0 / 1.7-1.8%, dense tails S = 500 / 1000 / 3000 +2.4-3.0%. In the
-  // cooperative kernel without the look-ahead ptxas serializes the wgmmas
-  // (C7511).
+  // Session 35, the tall kernels (three passes on two GPUs): jagged
+  // S = 512 / 1024 / 2048 +0.5-1.8 / 1.5-2.0 / 1.8-2.2%, dense tails
+  // S = 500 / 1000 +2.3-3.0%, 3000 +2.4%. In the cooperative kernel without
+  // the look-ahead ptxas serializes the wgmmas (C7511).
   static constexpr bool kExpsUnderPv = (kWholeBlocks && kLookahead && !kPingPong) || kTall;
   static_assert(!(kLengthOrder && kWholeBlocks), "the length order is for jagged K/V");
   static_assert(!kSplitKeys || !(kPingPong || kLookahead || kLengthOrder || kWholeBlocks),
