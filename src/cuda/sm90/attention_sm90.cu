@@ -800,9 +800,7 @@ struct AttentionSm90Kernel {
       registers.row_max[0] = registers.row_max[1] = -INFINITY;
     } else if constexpr (!kKnownRescale) {
       exponentiate();
-      const bool rescale =
-          __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
-      if (!rescale) {
+      if (!fails_lazy_check(block_sum)) {
         correction[0] = correction[1] = 1.0f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) registers.row_sum[half] += block_sum[half];
@@ -848,6 +846,13 @@ struct AttentionSm90Kernel {
       registers.row_sum[half] = registers.row_sum[half] * correction[half] + block_sum[half];
     }
     return true;
+  }
+
+  // Whether a block's P from the running maxima, whose sums over this
+  // thread's part of its rows are block_sum, fails the lazy-rescaling check
+  // in any row of the warp.
+  __device__ __forceinline__ static bool fails_lazy_check(const float (&block_sum)[2]) {
+    return __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
   }
 
   // kExpsUnderPv: a block's P from the running maxima (the same
@@ -1151,8 +1156,7 @@ struct AttentionSm90Kernel {
         ptx::fence_operands(registers.scores);
         float block_sum[2];
         exponentiate_scores(registers, scale_log2, block_sum);
-        const bool fails =
-            __any_sync(kFullWarp, fmaxf(block_sum[0], block_sum[1]) > kRescaleLimit);
+        const bool fails = fails_lazy_check(block_sum);
         ptx::wgmma_wait<0>();
         ptx::fence_operands(registers.scores);
         fence_pv_operands(registers);
