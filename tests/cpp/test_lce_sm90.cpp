@@ -162,7 +162,8 @@ const std::vector<LceCase>& sm90_cases() {
       {"k1_k17", {128, 1, 17, 256, 7, 3}, MapOrder::uneven_unsorted},
       {"many_units", kManyUnits, MapOrder::uneven_unsorted},
       {"split_user_tiles", kSplitUserTiles, MapOrder::uneven_unsorted},
-      // N a multiple of 192 and 384.
+      // N = 384: three N blocks, an odd count (user units pad it to a
+      // pair); N = 192: a second block whose second warpgroup has no columns.
       {"n384", {433, 866, 1178, 384, 9, 4}, MapOrder::unsorted},
       {"n384_many_units", {433, 136, 72, 384, 80, 70}, MapOrder::uneven_unsorted},
       {"n192_split_user_tiles", {433, 136, 1178, 192, 200, 5}, MapOrder::uneven_unsorted},
