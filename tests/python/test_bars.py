@@ -38,18 +38,26 @@ def attention(length, tflops, variant="ikbo", dtype="fp16"):
     }
 
 
-def write(directory, name, records):
+def write(directory, name, records, device=None):
     path = directory / name
-    path.write_text(json.dumps({"records": records}))
+    document = {"records": records}
+    if device is not None:
+        document["device"] = device
+    path.write_text(json.dumps(document))
     return str(path)
 
 
-def bars(*arguments):
-    result = subprocess.run(
+def run_bars(*arguments):
+    return subprocess.run(
         [sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, check=True
-    )
+    ).stdout
+
+
+def bars(*arguments):
     rows = {}
-    for line in result.stdout.splitlines()[2:]:
+    for line in run_bars(*arguments).splitlines()[2:]:
+        if not line.startswith("|"):
+            continue
         issue, bar, bench, measured, verdict = [cell.strip() for cell in line.strip("|").split("|")]
         rows[(int(issue), bar, bench)] = (measured, verdict)
     return rows
@@ -117,3 +125,16 @@ def test_every_bar_judged_from_the_records(tmp_path):
 def test_missing_records_read_not_measured(tmp_path):
     rows = bars("--cpp", str(tmp_path / "absent.json"))
     assert rows and all(verdict == "not measured" for _, verdict in rows.values())
+
+
+def test_the_gpu_is_named_and_other_gpus_than_the_h100_flagged(tmp_path):
+    h100 = run_bars("--cpp", write(tmp_path, "h100.json", [lce()], "NVIDIA H100 80GB HBM3"))
+    assert "Measured on NVIDIA H100 80GB HBM3 (C++)." in h100
+    assert "indicative" not in h100
+    h200 = run_bars(
+        "--cpp", write(tmp_path, "cpp.json", [lce()], "NVIDIA H200"),
+        "--python", write(tmp_path, "python.json", [lce()], "NVIDIA H200"),
+    )  # fmt: skip
+    assert "Measured on NVIDIA H200 (C++), NVIDIA H200 (Python)." in h200
+    assert "state these bars for the H100" in h200 and "indicative" in h200
+    assert "Measured on" not in run_bars("--cpp", write(tmp_path, "bare.json", [lce()]))
