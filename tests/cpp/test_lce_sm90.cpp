@@ -99,12 +99,15 @@ struct LceProblem {
     return reference_lce(shape, w_c.values, w_u.values, e_c.values, e_u.values, cand_to_user);
   }
 
-  // lce into a poisoned output, with a workspace sized by lce_workspace_bytes.
+  // lce into a poisoned output, with a workspace sized by lce_workspace_bytes
+  // and poisoned too (all bits set: NaN partials, flags of -1), as a caller's
+  // workspace may hold anything.
   std::vector<double> run() const {
     const auto out =
         DeviceTensor::poisoned(kCuda, plan.dtype(), {shape.num_candidates, shape.m, shape.n});
-    const DeviceBuffer workspace(
-        kCuda, lce_workspace_bytes(plan, e_c_device.view(), e_u_device.view(), map));
+    DeviceBuffer workspace(kCuda,
+                           lce_workspace_bytes(plan, e_c_device.view(), e_u_device.view(), map));
+    workspace.upload(std::vector<std::byte>(workspace.bytes(), std::byte{0xff}));
     lce(plan, e_c_device.view(), e_u_device.view(), map, out.view(), nullptr,
         {workspace.data(), workspace.bytes()});
     return out.values();

@@ -19,10 +19,12 @@
 // candidate units' main loops run, and the user GEMM costs no launch or
 // pipeline drain. When every user tile fits in the first round twice over,
 // each tile's k-steps are split between two neighbouring user units (each
-// adds its sum into P, zeroed before the launch, with a bulk reduction), so
-// that P is ready before the first round's candidate units finish their
-// shorter main loops (user_splits). (A flag counter per P tile, zeroed by a
-// memset before the launch.)
+// adds its sum into P with a bulk reduction), so that P is ready before the
+// first round's candidate units finish their shorter main loops
+// (user_splits). Such a tile is cleared in the launch, by the spare warp of
+// the CTA that runs its first part, as that CTA starts. (A flag counter per
+// P tile, zeroed by a memset before the launch, counts the clearing and
+// each part's store.)
 //
 // Orientation. Each GEMM runs transposed, out[b]^T = e[b]^T @ w^T: wgmma's
 // M side (64 rows per warpgroup) walks N, its N side walks the M rows of
@@ -142,7 +144,7 @@ struct LceSm90Params {
   CUtensorMap user_weights, candidate_weights;
   CUtensorMap out;  // {N, M, B}, boxes {64 n, 224 m, 1}
   float* user_partials;  // [U][N block][M block][fragment order]
-  int* user_ready;       // [U][N block][M block]: 1 once the tile is stored
+  int* user_ready;       // [U][N block][M block]: ready_count once the tile is stored
   const std::int32_t* cand_to_user;
   const std::int32_t* candidates_by_user;
   int num_candidates;
@@ -327,6 +329,11 @@ struct LceSm90Kernel {
     const int step = tile.user ? -1 : partial_step(params, k_step);
     return step >= 0 ? partial_step_bytes(step) : kStageBytes;
   }
+  // What a P tile's flag counts once the tile is ready: its parts' stores,
+  // and its clearing when it is split (spare_warp).
+  __device__ static int ready_count(const Params& params) {
+    return params.user_splits == 1 ? 1 : params.user_splits + 1;
+  }
   // Step image `step` of the tile's P in the workspace.
   __device__ static float* partial_image(const Params& params, const Tile& tile, int step) {
     return params.user_partials + tile.partial_tile * kTileElements +
@@ -339,7 +346,7 @@ struct LceSm90Kernel {
       if (step == 0) {
         // Written by a user unit's storer with bulk copies and flagged with
         // an ordinary atomic; read here by TMA (see ptx::fence_async_global).
-        ptx::wait_ready(params.user_ready + tile.partial_tile, params.user_splits);
+        ptx::wait_ready(params.user_ready + tile.partial_tile, ready_count(params));
         ptx::fence_async_global();
       }
       const float* image = partial_image(params, tile, step);
@@ -432,6 +439,24 @@ struct LceSm90Kernel {
     ptx::fence_operands(accumulators.values);
   }
 
+  // Split P tiles: the CTA that runs a tile's first part clears it as it
+  // starts (the parts' storers add into it once it is) and counts that on
+  // the tile's flag. User units come first in the walk.
+  __device__ static void spare_warp(const Params& params, const sm90::UnitWalk& walk, int rank,
+                                    int lane) {
+    if (params.user_splits == 1) return;
+    for (int unit = walk.first; unit < walk.count && is_user_unit(params, unit);
+         unit += walk.step) {
+      const Tile tile = tile_at(params, unit, rank);
+      if (tile.part != 0) continue;
+      auto* image = reinterpret_cast<float4*>(params.user_partials +
+                                              tile.partial_tile * kTileElements);
+      for (int i = lane; i < kTileElements / 4; i += 32) image[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      __syncwarp();  // orders the lanes' stores before lane 0's fence
+      if (lane == 0) ptx::signal_ready(params.user_ready + tile.partial_tile);
+    }
+  }
+
   using Held = sm90::HeldStages<LceSm90Kernel>;
 
   // The epilogue, into the held stages (the storer writes them out).
@@ -484,10 +509,14 @@ struct LceSm90Kernel {
                                     const Held& held) {
     if (tile.user) {
       // P, one bulk copy per step image; flagged once it is written. A
-      // split tile's two parts each add their sum to P, zeroed before the
-      // launch, as soon as they have it: two addends into zero give the
+      // split tile's two parts each add their sum to P, cleared by
+      // spare_warp, as soon as they have it: two addends into zero give the
       // same bits in either order.
       int* ready = params.user_ready + tile.partial_tile;
+      if (params.user_splits > 1) {
+        ptx::wait_ready(ready, 1);  // cleared (spare_warp)
+        ptx::fence_async_global();  // by generic stores; added to here by bulk reductions
+      }
 #pragma unroll
       for (int step = 0; step < kPartialSteps; ++step) {
         float* destination = partial_image(params, tile, step);
@@ -616,8 +645,8 @@ CUtensorMap paired_map(const void* base, std::int64_t n, std::int64_t rows, std:
 // takes Ku, and Ku > Kc is the common case (the reference shape: 19 against
 // 14). So when every P tile starts in the first round of clusters, the
 // first round's candidate units would wait for the rest of a user unit.
-// Two halves of Ku each end sooner, and cost P zeroed before the launch
-// and added to twice. Each part must hold a user unit's kPartialSteps held
+// Two halves of Ku each end sooner, and cost P cleared in the launch and
+// added to twice. Each part must hold a user unit's kPartialSteps held
 // stages. No more than two: a third addend would make P's bits depend on
 // the order in which the parts add.
 constexpr int kSplits = 2;
@@ -670,13 +699,7 @@ void run_lce_sm90(const LceArgs& args, LceSm90Schedule schedule, int max_cluster
   params.num_user_units = num_user_tiles * params.user_splits;
   const auto num_candidate_units = static_cast<int>(grid.candidate_units(args.num_candidates));
 
-  // The flags; and P where split tiles add into it (it precedes them).
-  if (params.user_splits > 1) {
-    IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_partials, 0,
-                                    layout.partial_bytes + layout.ready_bytes, stream));
-  } else {
-    IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
-  }
+  IKBO_CUDA_CHECK(cudaMemsetAsync(params.user_ready, 0, layout.ready_bytes, stream));
   const auto launch = [&](int first_unit, int num_units) {
     if (num_units == 0) return;
     params.first_unit = first_unit;

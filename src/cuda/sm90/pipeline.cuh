@@ -155,6 +155,13 @@
 //     barriers carry the hand-over, one phase per unit with held stages:
 //       held_full   one arrival per consumer thread: finish has written them;
 //       held_empty  the storer's arrival: it has taken them over.
+//
+//   A spare warp (kernels with held stages, whose producer warps 2 and 3
+//     have no role): spare_warp(params, walk, rank, lane), when declared,
+//     runs once on the whole of producer warp 2 as the CTA starts, beside
+//     the loader and the storer, for work of the CTA's walk that no stage
+//     waits on (LCE: clearing the workspace tiles that the storers' bulk
+//     reductions add into, before those storers need them).
 #pragma once
 
 #include <cstddef>
@@ -420,6 +427,15 @@ struct UnitWalk {
   int first, step, count;
 };
 
+// A kernel's spare warp (see the header comment).
+inline constexpr int kSpareWarp = 2;
+template <class Kernel>
+constexpr bool has_spare_warp() {
+  return requires(const typename Kernel::Params& params) {
+    Kernel::spare_warp(params, UnitWalk{}, 0, 0);
+  };
+}
+
 // A consumer's view of the per-unit slots (see the header comment).
 template <int kSlots>
 struct UnitSlots {
@@ -551,6 +567,15 @@ __device__ __forceinline__ void run_pipeline(const typename Kernel::Params& para
           ptx::mbarrier_arrive(&barriers.unit_full[slot.stage]);
           slot.advance();
         }
+        return;
+      }
+    }
+    if constexpr (has_spare_warp<Kernel>()) {
+      static_assert(kMaxHeldStages > 0 && kUnitStages == 0,
+                    "the spare warp is producer warp 2 of a kernel with held stages");
+      if (warp == kSpareWarp) {
+        Kernel::spare_warp(params, UnitWalk{first_unit, unit_step, num_units}, rank,
+                           static_cast<int>(threadIdx.x) % 32);
         return;
       }
     }
