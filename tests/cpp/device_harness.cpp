@@ -278,7 +278,8 @@ void StreamGate::release() { shared_->open = true; }
 
 bool StreamGate::timed_out() const { return shared_->timed_out; }
 
-void run_as_cuda_graph(const TestStream& stream, const std::function<void()>& enqueue) {
+void run_as_cuda_graph(const TestStream& stream, const std::function<void()>& enqueue,
+                       int launches) {
 #ifdef IKBO_WITH_CUDA
   const cudaStream_t cuda_stream = as_cuda(stream.handle());
   IKBO_TEST_CUDA_CHECK(cudaStreamBeginCapture(cuda_stream, cudaStreamCaptureModeGlobal));
@@ -298,11 +299,14 @@ void run_as_cuda_graph(const TestStream& stream, const std::function<void()>& en
   IKBO_TEST_CUDA_CHECK(cudaGraphInstantiate(&executable, graph, 0));
   std::unique_ptr<CUgraphExec_st, decltype(&cudaGraphExecDestroy)> executable_owner(
       executable, cudaGraphExecDestroy);
-  IKBO_TEST_CUDA_CHECK(cudaGraphLaunch(executable, cuda_stream));
+  for (int launch = 0; launch < launches; ++launch) {
+    IKBO_TEST_CUDA_CHECK(cudaGraphLaunch(executable, cuda_stream));
+  }
   IKBO_TEST_CUDA_CHECK(cudaStreamSynchronize(cuda_stream));
 #else
   (void)stream;
   (void)enqueue;
+  (void)launches;
   no_cuda("run_as_cuda_graph");
 #endif
 }

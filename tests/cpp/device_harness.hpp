@@ -164,8 +164,9 @@ class StreamGate {
 
 // Captures what `enqueue` puts on `stream` into a CUDA graph in global
 // capture mode (where a synchronizing or allocating call inside fails),
-// launches the graph once and waits for it.
-void run_as_cuda_graph(const TestStream& stream, const std::function<void()>& enqueue);
+// launches the graph `launches` times in a row and waits for them.
+void run_as_cuda_graph(const TestStream& stream, const std::function<void()>& enqueue,
+                       int launches = 1);
 
 // Copies `count` int32 values from memory on `device` (e.g. a
 // CandidateMapDeviceView array) to the host.

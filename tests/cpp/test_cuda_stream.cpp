@@ -1,7 +1,8 @@
 // CUDA execution properties of the ops, for lce and attention (dense and
 // jagged): bitwise-identical results across runs, all work ordered on the
 // stream argument with no synchronization inside the call, and capture into
-// a CUDA graph (which fails on any allocation or synchronization inside).
+// a CUDA graph (which fails on any allocation or synchronization inside),
+// launched three times in a row.
 // Every test here skips, with the reason, without a CUDA device.
 #include <chrono>
 #include <functional>
@@ -149,8 +150,10 @@ TEST_P(CudaExecution, CapturesIntoACudaGraph) {
   const auto expected = run_eagerly(op);
   const TestStream stream(kCuda);
   const auto out = DeviceTensor::poisoned(kCuda, op.dtype, op.out_shape);
-  run_as_cuda_graph(stream, [&] { op.enqueue(stream.handle(), out.view()); });
-  EXPECT_TRUE(out.bytes() == expected) << "the graph replay differs from the eager run";
+  // Three launches in a row: each must find its workspace as it needs it
+  // (lce's flags zeroed by the memset node before its kernel).
+  run_as_cuda_graph(stream, [&] { op.enqueue(stream.handle(), out.view()); }, 3);
+  EXPECT_TRUE(out.bytes() == expected) << "the graph replays differ from the eager run";
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaExecution, testing::ValuesIn(cuda_ops()),
