@@ -451,7 +451,9 @@ struct LceSm90Kernel {
       if (tile.part != 0) continue;
       auto* image = reinterpret_cast<float4*>(params.user_partials +
                                               tile.partial_tile * kTileElements);
-      for (int i = lane; i < kTileElements / 4; i += 32) image[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int i = lane; i < kTileElements / 4; i += 32) {
+        image[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
       __syncwarp();  // orders the lanes' stores before lane 0's fence
       if (lane == 0) ptx::signal_ready(params.user_ready + tile.partial_tile);
     }
