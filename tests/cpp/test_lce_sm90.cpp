@@ -145,8 +145,9 @@ class LceSm90Test : public testing::Test {
 // units wait for user units of later rounds.
 const LceShape kManyUnits{433, 136, 72, 256, 80, 70};
 // 420 work units over few users: each user tile's k-steps are split between
-// two user units (each adds its sum into the zeroed P tile with a bulk
-// reduction), and every cluster takes several candidate units after them.
+// two user units (each adds its sum, with a bulk reduction, into the P tile
+// cleared in the launch), and every cluster takes several candidate units
+// after them.
 const LceShape kSplitUserTiles{433, 136, 1178, 256, 200, 5};
 
 const std::vector<LceCase>& sm90_cases() {
