@@ -9,7 +9,9 @@
 // of the program this test grew from (bench/notes/racecheck_ring_repro.cu
 // of 545e3f7, without multicast) with "unspecified launch failure"
 // (bench/notes/lce_sm90.md, session 28), so the test guards the per-warp
-// arrivals. Skips, with the
+// arrivals. The kernel's spare warp (producer warp 2) counts, with every
+// lane, each unit of its CTA's walk: each unit must be counted once per
+// CTA of its cluster by a whole warp. Skips, with the
 // reason, unless device 0 is an sm_90 GPU and the build carries sm_90a code.
 #include <cuda_runtime.h>
 
@@ -54,6 +56,7 @@ struct RingKernel {
   struct Params {
     const char* source;  // source_stages stage images
     char* out;           // per unit, CTA rank and consumer warpgroup: kOutBytes
+    int* visits;         // per unit and CTA rank: the spare warp's lanes that saw it
     int num_units, main_steps, source_stages;
   };
   struct Accumulators {
@@ -84,6 +87,11 @@ struct RingKernel {
   }
 
   __device__ static int num_units(const Params& p) { return p.num_units; }
+  __device__ static void spare_warp(const Params& p, const sm90::UnitWalk& walk, int rank, int) {
+    for (int unit = walk.first; unit < walk.count; unit += walk.step) {
+      atomicAdd(p.visits + unit * kClusterSize + rank, 1);
+    }
+  }
   __device__ static int num_k_steps(const Params& p, int) { return p.main_steps + kMaxRegisterSteps; }
   __device__ static std::uint32_t stage_bytes(const Params&, int, int) { return kStageBytes; }
   __device__ static void load(const Params& p, int unit, int, int k_step, Stage& stage,
@@ -176,23 +184,32 @@ TEST(PipelineSm90Test, RegisterStepsAndHeldStagesCarryEverySumAcrossClusters) {
   DeviceBuffer source_device(kCuda, std::as_bytes(std::span(source)));
   const std::size_t out_bytes = RingKernel::out_slot(kUnits, 0, 0) * RingKernel::kOutBytes;
   DeviceBuffer out_device(kCuda, out_bytes);
+  const std::size_t visits_bytes = sizeof(int) * kUnits * RingKernel::kClusterSize;
+  DeviceBuffer visits_device(kCuda, visits_bytes);
 
   const sm90::HopperDevice hopper = sm90::query_device(kCuda.index);
   const int clusters =
       std::min(sm90::max_active_clusters<RingKernel>(hopper.multiprocessors), kUnits);
   ASSERT_GT(clusters, 0);
   const RingKernel::Params params{static_cast<const char*>(source_device.data()),
-                                  static_cast<char*>(out_device.data()), kUnits, kMainSteps,
+                                  static_cast<char*>(out_device.data()),
+                                  static_cast<int*>(visits_device.data()), kUnits, kMainSteps,
                                   kSourceStages};
   std::vector<std::byte> first_run;
   for (int run = 0; run < 2; ++run) {
     // Poisoned before each run: every byte must be written again.
     out_device.upload(std::vector<std::byte>(out_bytes, std::byte{0xff}));
+    visits_device.upload(std::vector<std::byte>(visits_bytes, std::byte{0}));
     cudaLaunchAttribute cluster_shape{};
     const cudaLaunchConfig_t config =
         sm90::launch_config<RingKernel>(clusters, nullptr, cluster_shape);
     ASSERT_EQ(cudaLaunchKernelEx(&config, sm90::pipeline_kernel<RingKernel>, params), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<int> visits(visits_bytes / sizeof(int));
+    const std::vector<std::byte> visit_bytes = visits_device.download();
+    std::memcpy(visits.data(), visit_bytes.data(), visits_bytes);
+    EXPECT_TRUE(std::all_of(visits.begin(), visits.end(), [](int lanes) { return lanes == 32; }))
+        << "a unit not seen exactly once per CTA by the whole spare warp";
     std::vector<std::byte> out = out_device.download();
     if (run == 0) {
       first_run = out;
