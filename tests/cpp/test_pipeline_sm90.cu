@@ -56,7 +56,7 @@ struct RingKernel {
   struct Params {
     const char* source;  // source_stages stage images
     char* out;           // per unit, CTA rank and consumer warpgroup: kOutBytes
-    int* visits;         // per unit and CTA rank: the spare warp's lanes that saw it
+    std::int32_t* visits;  // per unit and CTA rank: the spare warp's lanes that saw it
     int num_units, main_steps, source_stages;
   };
   struct Accumulators {
@@ -184,8 +184,8 @@ TEST(PipelineSm90Test, RegisterStepsAndHeldStagesCarryEverySumAcrossClusters) {
   DeviceBuffer source_device(kCuda, std::as_bytes(std::span(source)));
   const std::size_t out_bytes = RingKernel::out_slot(kUnits, 0, 0) * RingKernel::kOutBytes;
   DeviceBuffer out_device(kCuda, out_bytes);
-  const std::size_t visits_bytes = sizeof(int) * kUnits * RingKernel::kClusterSize;
-  DeviceBuffer visits_device(kCuda, visits_bytes);
+  const std::size_t num_visits = std::size_t{kUnits} * RingKernel::kClusterSize;
+  DeviceBuffer visits_device(kCuda, num_visits * sizeof(std::int32_t));
 
   const sm90::HopperDevice hopper = sm90::query_device(kCuda.index);
   const int clusters =
@@ -193,21 +193,21 @@ TEST(PipelineSm90Test, RegisterStepsAndHeldStagesCarryEverySumAcrossClusters) {
   ASSERT_GT(clusters, 0);
   const RingKernel::Params params{static_cast<const char*>(source_device.data()),
                                   static_cast<char*>(out_device.data()),
-                                  static_cast<int*>(visits_device.data()), kUnits, kMainSteps,
+                                  static_cast<std::int32_t*>(visits_device.data()), kUnits,
+                                  kMainSteps,
                                   kSourceStages};
   std::vector<std::byte> first_run;
   for (int run = 0; run < 2; ++run) {
     // Poisoned before each run: every byte must be written again.
     out_device.upload(std::vector<std::byte>(out_bytes, std::byte{0xff}));
-    visits_device.upload(std::vector<std::byte>(visits_bytes, std::byte{0}));
+    visits_device.upload(std::vector<std::byte>(visits_device.bytes(), std::byte{0}));
     cudaLaunchAttribute cluster_shape{};
     const cudaLaunchConfig_t config =
         sm90::launch_config<RingKernel>(clusters, nullptr, cluster_shape);
     ASSERT_EQ(cudaLaunchKernelEx(&config, sm90::pipeline_kernel<RingKernel>, params), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<int> visits(visits_bytes / sizeof(int));
-    const std::vector<std::byte> visit_bytes = visits_device.download();
-    std::memcpy(visits.data(), visit_bytes.data(), visits_bytes);
+    const std::vector<std::int32_t> visits = read_int32(
+        static_cast<const std::int32_t*>(visits_device.data()), num_visits, kCuda);
     EXPECT_TRUE(std::all_of(visits.begin(), visits.end(), [](int lanes) { return lanes == 32; }))
         << "a unit not seen exactly once per CTA by the whole spare warp";
     std::vector<std::byte> out = out_device.download();
