@@ -157,12 +157,20 @@ void run_attention(const AttentionArgs& args) {
   const std::int64_t max_seq_len =
       args.kv_offsets == nullptr ? args.dense_seq_len : args.kv_offsets->max_length;
 
-  // No tile is taller than the largest user's query block, and
-  // min(max_rows, tile_rows_for(L)) * L never decreases with L, so the longest
-  // history sizes the score tile.
+  // No tile is taller than the largest user's query block. The score tile is
+  // sized by the largest one a user actually gets, not from the longest
+  // history: tile_rows_for rounds down, so rows * L is not monotone in L
+  // (1023 rows * 1025 keys > 1022 rows * 1026 keys).
   const std::int64_t max_rows = std::min(kMaxTileRows, map.max_count * n_seed);
-  auto scores = std::make_unique_for_overwrite<float[]>(
-      static_cast<std::size_t>(std::min(max_rows, tile_rows_for(max_seq_len)) * max_seq_len));
+  std::int64_t max_score_elements = 0;
+  for (std::int64_t user = 0; user < args.num_users; ++user) {
+    const std::int64_t total_rows = (map.user_offsets[user + 1] - map.user_offsets[user]) * n_seed;
+    const std::int64_t seq_len = key_rows(user).second;
+    max_score_elements =
+        std::max(max_score_elements, std::min(tile_rows_for(seq_len), total_rows) * seq_len);
+  }
+  auto scores =
+      std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(max_score_elements));
   auto query_tile =
       std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(max_rows * head_dim));
   auto output_tile =

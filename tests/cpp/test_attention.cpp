@@ -4,7 +4,8 @@
 // Covers n_seed in {1, 37, 64}, S in {1, 500, 777}, H in {1, 2, 3},
 // D in {64, 128, 256}, unsorted and uneven maps with users without candidates,
 // empty user histories (their outputs must be exact zeros), the default
-// scale 1/sqrt(D) and explicit scales.
+// scale 1/sqrt(D) and explicit scales; histories of 1025/1026 and 8192/8193
+// keys, where the CPU's tile areas are not monotone in the length.
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -121,6 +122,31 @@ const std::vector<AttentionCase>& attention_cases() {
        {500, 0, 64},
        MapOrder::unsorted,
        0.3f},
+      // The CPU's row tiles shrink with the history (1023 rows at 1025 keys,
+      // 1022 at 1026), so the shorter history has the larger score tile
+      // (1023 * 1025 > 1022 * 1026 elements). Sizing the scores from the
+      // longest history once overflowed them; 1024 query rows per user.
+      {"jagged_seed64_h1_d64_tile_area_1025_1026",
+       32,
+       2,
+       64,
+       1,
+       64,
+       0,
+       {1025, 1026},
+       MapOrder::sorted,
+       std::nullopt},
+      // The same where tiles of 128 rows shrink to 127 (128 query rows per user).
+      {"jagged_seed64_h1_d64_tile_area_8192_8193",
+       4,
+       2,
+       64,
+       1,
+       64,
+       0,
+       {8192, 8193},
+       MapOrder::sorted,
+       std::nullopt},
   };
   return cases;
 }
