@@ -17,7 +17,9 @@
 //      out    = round(O / row sum)            (scattered to out[b, seed, h, :])
 //    The tile height shrinks for long histories so the score tile stays
 //    within kScoreBudgetBytes.
-// A user with no keys gets zeros; a user without candidates is skipped.
+// A user with no keys gets zeros; a user without candidates is skipped. A key
+// scoring -inf gets weight 0; a row whose every score is -inf has no softmax
+// (0 / 0) and gives NaN, as the GPU kernels do.
 //
 // Threading: OpenBLAS threads each sgemm. The gathers, the softmax and the
 // scatter between them run on OpenMP only where OpenBLAS is the OpenMP build
@@ -61,6 +63,12 @@ std::int64_t tile_rows_for(std::int64_t seq_len) {
 // maximum's weight of 1); the clamp acts on the integer exponent because a
 // float select there turns into a branch that stops the vectorizer.
 inline float exp2_nonpositive(float x) {
+  // A score of -inf (a key of -inf against a positive query) must get weight
+  // 0, but -inf - round(-inf) is NaN. Raising x to -127, where the result is
+  // 0 already, keeps every step finite; written as a max (maxps) so that it
+  // vectorizes and a NaN x stays NaN.
+  constexpr float kZeroBelow = -127.0f;
+  x = kZeroBelow > x ? kZeroBelow : x;
   // Adding and removing 1.5 * 2^23 rounds to an integer (|x| < 2^22; larger
   // magnitudes are integers already).
   constexpr float kRoundingShift = 12582912.0f;

@@ -5,8 +5,11 @@
 // D in {64, 128, 256}, unsorted and uneven maps with users without candidates,
 // empty user histories (their outputs must be exact zeros), the default
 // scale 1/sqrt(D) and explicit scales; histories of 1025/1026 and 8192/8193
-// keys, where the CPU's tile areas are not monotone in the length.
+// keys, where the CPU's tile areas are not monotone in the length; and keys
+// of -inf, which get weight 0.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -297,6 +300,31 @@ TEST_P(AttentionRandomShapes, MatchFp64Reference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, AttentionRandomShapes,
+                         testing::Combine(testing::ValuesIn(test_devices()),
+                                          testing::ValuesIn(float_dtypes())),
+                         device_dtype_param_name);
+
+class AttentionMinusInfinityKeys : public DeviceDtypeTest {};
+
+// A key row of -inf against positive queries scores -inf: its softmax
+// weight is exp(-inf) = 0, as for a key past the user's end, and the other
+// keys are unaffected. (The CPU's exp2 once made it NaN: -inf - round(-inf).)
+TEST_P(AttentionMinusInfinityKeys, GetZeroWeight) {
+  SeededRng rng;
+  const AttentionCase test_case{
+      "minus_infinity_keys", 5, 2, 3, 2, 64, 0, {7, 40}, MapOrder::unsorted, std::nullopt};
+  AttentionInputs inputs = random_attention_inputs(rng, dtype(), test_case);
+  for (double& value : inputs.q.values) value = round_to_dtype(std::abs(value) + 0.5, dtype());
+  const std::int64_t row_elements = test_case.heads * test_case.head_dim;
+  for (const std::int64_t row : {inputs.kv_offsets[0] + 2, inputs.kv_offsets[1] + 10}) {
+    std::fill_n(inputs.k.values.begin() + row * row_elements, row_elements,
+                -std::numeric_limits<double>::infinity());
+  }
+  const std::vector<double> actual = run_attention(device(), test_case, inputs);
+  EXPECT_TRUE(matches_reference(actual, inputs.expected(), dtype()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, AttentionMinusInfinityKeys,
                          testing::Combine(testing::ValuesIn(test_devices()),
                                           testing::ValuesIn(float_dtypes())),
                          device_dtype_param_name);
