@@ -61,6 +61,36 @@ def _int32_input(indices: Array | Sequence[int]) -> Array:
     return _exportable(indices)
 
 
+def _checked_shape(tensor: Array, name: str, rank: int) -> tuple[int, ...]:
+    """`tensor`'s shape, for a default read from it before the library has
+    validated it; a wrong rank gets the library's message."""
+    shape = tuple(tensor.shape)
+    if len(shape) != rank:
+        extents = ", ".join(str(extent) for extent in shape)
+        raise ValueError(
+            f"{name} must have {rank} dimensions, got {len(shape)} (shape [{extents}])"
+        )
+    return shape
+
+
+def _user_feature_count(weight: Array, x_c: Array, x_u: Array) -> int:
+    """Ku of torch's weight [N_out, Ku + Kc]: the width of x_u, which with the
+    width of x_c must make up weight's columns. Checked here because a wrong
+    Ku would otherwise be reported against x_c or num_user_features."""
+    x_u_shape = _checked_shape(x_u, "x_u", 2)
+    weight_shape, x_c_shape = tuple(weight.shape), tuple(x_c.shape)
+    # Other ranks are the library's to report.
+    if len(weight_shape) == 2 and len(x_c_shape) == 2:
+        if x_u_shape[1] + x_c_shape[1] != weight_shape[1]:
+            raise ValueError(
+                f"x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be {weight_shape[1]}, "
+                f"the columns of weight [N_out, Ku + Kc] (shape {list(weight_shape)}), "
+                f"got {x_u_shape[1]} + {x_c_shape[1]} "
+                f"(x_u shape {list(x_u_shape)}, x_c shape {list(x_c_shape)})"
+            )
+    return x_u_shape[1]
+
+
 def _current_stream(tensor: Array) -> int:
     """The cudaStream_t the caller's framework is issuing work on (0 on the CPU)."""
     if _is_torch(tensor) and tensor.is_cuda:
@@ -173,7 +203,8 @@ def lce(
         )
     else:
         plan = _C.LcePlan(_exportable(w_c_or_plan), _exportable(w_u), stream)
-    candidate_map = _candidate_map(cand_to_user_or_map, num_users, e_u.shape[0], stream)
+    num_rows = _checked_shape(e_u, "e_u", 3)[0]
+    candidate_map = _candidate_map(cand_to_user_or_map, num_users, num_rows, stream)
     # Validates e_c, e_u and the map against the plan, so nothing is allocated
     # from the shape of an invalid input.
     workspace_bytes = _C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
@@ -245,18 +276,15 @@ def linear(
             )
     else:
         if num_user_features is None:
-            if len(x_u.shape) != 2:
-                raise ValueError(
-                    f"x_u must have 2 dimensions [U, Ku], got shape {tuple(x_u.shape)}"
-                )
-            num_user_features = x_u.shape[1]
+            num_user_features = _user_feature_count(weight_or_plan, x_c, x_u)
         plan = _C.LinearPlan.from_concatenated(
             _exportable(weight_or_plan),
             num_user_features,
             None if bias is None else _exportable(bias),
             stream,
         )
-    candidate_map = _candidate_map(cand_to_user_or_map, None, x_u.shape[0], stream)
+    num_rows = _checked_shape(x_u, "x_u", 2)[0]
+    candidate_map = _candidate_map(cand_to_user_or_map, None, num_rows, stream)
     if len(x_c.shape) == 2 and len(x_u.shape) == 2:
         # Sized from the row counts alone: a linear layer's kernel is short
         # enough that exporting x_c and x_u a second time shows. _C.linear
@@ -318,9 +346,11 @@ def attention(
     """
     q, k, v = _exportable(q), _exportable(k), _exportable(v)
     stream = _current_stream(q)
+    # Dense K/V [U, S, H, D] or jagged [total, H, D].
+    num_rows = _checked_shape(k, "k", 4 if kv_offsets is None else 3)[0]
     if kv_offsets is not None and not isinstance(kv_offsets, _C.JaggedOffsets):
-        kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets), k.shape[0], stream)
-    num_users = kv_offsets.num_users if kv_offsets is not None else k.shape[0]
+        kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets), num_rows, stream)
+    num_users = kv_offsets.num_users if kv_offsets is not None else num_rows
     candidate_map = _candidate_map(cand_to_user_or_map, None, num_users, stream)
     # Validates q, k, v and the map, so nothing is allocated from the shape
     # of an invalid input; nonzero when the call's keys split across SMs.

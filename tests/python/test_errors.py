@@ -210,6 +210,24 @@ def test_attention_invalid_inputs(attention_inputs, mutate, message):
     assert (arguments["out"] == SENTINEL).all(), "out was written by a call that failed"
 
 
+def test_scalar_where_the_wrappers_read_a_row_count(lce_inputs, attention_inputs):
+    """lce and attention read U (or the K/V rows) from e_u or k before the
+    library sees them: a 0-d array there is a ValueError naming it and the
+    rank expected, not an IndexError."""
+    w_c, w_u, e_c, _, cand_to_user, out = lce_inputs
+    scalar = np.array(1.0, dtype=np.float16)
+    with pytest.raises(ValueError, match=re.escape("e_u must have 3 dimensions, got 0 (shape [])")):
+        ikbo.lce(w_c, w_u, e_c, scalar, cand_to_user, out=out)
+    expect_untouched(out)
+    q, _, _, cand_to_user, out = attention_inputs
+    scalar = np.array(1.0, dtype=np.float32)
+    with pytest.raises(ValueError, match=re.escape("k must have 4 dimensions, got 0 (shape [])")):
+        ikbo.attention(q, scalar, scalar, cand_to_user, out=out)
+    with pytest.raises(ValueError, match=re.escape("k must have 3 dimensions, got 0 (shape [])")):
+        ikbo.attention(q, scalar, scalar, cand_to_user, kv_offsets=[0, 2, 5], out=out)
+    expect_untouched(out)
+
+
 def test_attention_out_aliasing_an_input_is_refused(attention_inputs):
     q, k, v, cand_to_user, _ = attention_inputs
     with pytest.raises(ValueError, match="out overlaps q"):

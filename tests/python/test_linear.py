@@ -126,7 +126,21 @@ def expect_untouched(out):
         ),
         (
             lambda a: a.update(x_c=a["x_c"][:, :4].copy()),
+            "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9, the columns of weight "
+            "[N_out, Ku + Kc] (shape [6, 9]), got 4 + 4 (x_u shape [2, 4], x_c shape [3, 4])",
+        ),
+        (
+            lambda a: a.update(x_c=a["x_c"][:, :4].copy(), num_user_features=4),
             "x_c dimension 1 must be 5 (Kc of w_c), got 4",
+        ),
+        (
+            lambda a: a.update(x_u=a["x_u"][:, :3].copy()),
+            "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9, the columns of weight "
+            "[N_out, Ku + Kc] (shape [6, 9]), got 3 + 5 (x_u shape [2, 3], x_c shape [3, 5])",
+        ),
+        (
+            lambda a: a.update(x_u=np.ones((2, 9), np.float16)),
+            "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9",
         ),
         (
             lambda a: a.update(bias=a["bias"][:5].copy()),
@@ -192,8 +206,30 @@ def test_workspace_bytes_from_sizes_match_and_are_checked(small_inputs):
 
 def test_raw_weight_needs_two_dimensional_user_features(small_inputs):
     weight, _, x_c, x_u, cand_to_user, out = small_inputs
-    with pytest.raises(ValueError, match=r"x_u must have 2 dimensions \[U, Ku\], got shape \(8,\)"):
+    message = "x_u must have 2 dimensions, got 1 (shape [8])"
+    with pytest.raises(ValueError, match=re.escape(message)):
         ikbo.linear(weight, x_c, x_u.reshape(-1), cand_to_user, out=out)
+    expect_untouched(out)
+
+
+@pytest.mark.parametrize("state", ["weight", "weight-and-ku", "plan"])
+def test_scalar_user_features_are_named(small_inputs, state):
+    """U (and with a raw weight Ku) is read from x_u before the library sees
+    it: a 0-d x_u is a ValueError naming it, not an IndexError."""
+    weight, bias, x_c, _, cand_to_user, out = small_inputs
+    arguments = {"weight_or_plan": weight, "bias": bias}
+    if state == "weight-and-ku":
+        arguments["num_user_features"] = 4
+    elif state == "plan":
+        arguments = {"weight_or_plan": ikbo.LinearPlan.from_concatenated(weight, 4, bias)}
+    with pytest.raises(ValueError, match=re.escape("x_u must have 2 dimensions, got 0 (shape [])")):
+        ikbo.linear(
+            x_c=x_c,
+            x_u=np.array(1.0, dtype=np.float16),
+            cand_to_user_or_map=cand_to_user,
+            out=out,
+            **arguments,
+        )
     expect_untouched(out)
 
 
