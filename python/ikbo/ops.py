@@ -39,9 +39,27 @@ def _is_cupy(value: Any) -> bool:
     return cupy is not None and isinstance(value, cupy.ndarray)
 
 
-def _exportable(tensor: Array) -> Array:
-    """The object to hand to the bindings: torch refuses to export tensors that
-    require grad through DLPack, and these inference ops have no backward."""
+_FLOATS = "float16, bfloat16 or float32"
+
+
+def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
+    """The object to hand to the bindings as argument `name`, which takes the
+    dtypes `takes`: torch refuses to export tensors that require grad through
+    DLPack, and these inference ops have no backward."""
+    if isinstance(tensor, np.ndarray) and tensor.dtype.kind not in "biufc":
+        # numpy exports only bool, integer, float and complex dtypes through
+        # DLPack; nanobind would refuse the others (ml_dtypes' bfloat16 among
+        # them) with a generic "incompatible function arguments" TypeError.
+        if takes == _FLOATS and tensor.dtype.name == "bfloat16":
+            raise ValueError(
+                f"{name} is a numpy bfloat16 array (ml_dtypes), which numpy cannot export "
+                f"through DLPack: pass bfloat16 data as a torch tensor, or {name} as "
+                "float16 or float32"
+            )
+        raise ValueError(
+            f"{name} has dtype {tensor.dtype.name}, which ikbo does not take: "
+            f"{name} must be {takes}"
+        )
     if _is_torch(tensor) and tensor.requires_grad:
         return tensor.detach()
     return tensor
@@ -52,13 +70,12 @@ def _writable_output(out: Array) -> Array:
     # "incompatible function arguments" TypeError.
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writable, got a read-only numpy array")
-    return _exportable(out)
+    return _exportable(out, "out")
 
 
-def _int32_input(indices: Array | Sequence[int]) -> Array:
-    if isinstance(indices, (list, tuple)):
-        return np.asarray(indices, dtype=np.int32)
-    return _exportable(indices)
+def _int32_input(indices: Array | Sequence[int], name: str) -> Array:
+    # A list or tuple goes as it is: the bindings make it an int32 array.
+    return _exportable(indices, name, "int32")
 
 
 def _checked_shape(tensor: Array, name: str, rank: int) -> tuple[int, ...]:
@@ -145,7 +162,7 @@ def _candidate_map(
             )
         return cand_to_user_or_map
     return _C.CandidateMap(
-        _int32_input(cand_to_user_or_map),
+        _int32_input(cand_to_user_or_map, "cand_to_user"),
         default_num_users if num_users is None else num_users,
         stream,
     )
@@ -189,7 +206,7 @@ def lce(
         ValueError: an invalid argument (message names it); ``out`` untouched.
         TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
     """
-    e_c, e_u = _exportable(e_c), _exportable(e_u)
+    e_c, e_u = _exportable(e_c, "e_c"), _exportable(e_u, "e_u")
     stream = _current_stream(e_c)
     if isinstance(w_c_or_plan, _C.LcePlan):
         if w_u is not None:
@@ -202,7 +219,7 @@ def lce(
             "w_u is required when w_c_or_plan is the weight w_c rather than an LcePlan"
         )
     else:
-        plan = _C.LcePlan(_exportable(w_c_or_plan), _exportable(w_u), stream)
+        plan = _C.LcePlan(_exportable(w_c_or_plan, "w_c"), _exportable(w_u, "w_u"), stream)
     num_rows = _checked_shape(e_u, "e_u", 3)[0]
     candidate_map = _candidate_map(cand_to_user_or_map, num_users, num_rows, stream)
     # Validates e_c, e_u and the map against the plan, so nothing is allocated
@@ -261,7 +278,7 @@ def linear(
         ValueError: an invalid argument (message names it); ``out`` untouched.
         TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
     """
-    x_c, x_u = _exportable(x_c), _exportable(x_u)
+    x_c, x_u = _exportable(x_c, "x_c"), _exportable(x_u, "x_u")
     stream = _current_stream(x_c)
     if isinstance(weight_or_plan, _C.LinearPlan):
         plan = weight_or_plan
@@ -278,9 +295,9 @@ def linear(
         if num_user_features is None:
             num_user_features = _user_feature_count(weight_or_plan, x_c, x_u)
         plan = _C.LinearPlan.from_concatenated(
-            _exportable(weight_or_plan),
+            _exportable(weight_or_plan, "weight"),
             num_user_features,
-            None if bias is None else _exportable(bias),
+            None if bias is None else _exportable(bias, "bias"),
             stream,
         )
     num_rows = _checked_shape(x_u, "x_u", 2)[0]
@@ -344,12 +361,12 @@ def attention(
         ValueError: an invalid argument (message names it); ``out`` untouched.
         TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
     """
-    q, k, v = _exportable(q), _exportable(k), _exportable(v)
+    q, k, v = _exportable(q, "q"), _exportable(k, "k"), _exportable(v, "v")
     stream = _current_stream(q)
     # Dense K/V [U, S, H, D] or jagged [total, H, D].
     num_rows = _checked_shape(k, "k", 4 if kv_offsets is None else 3)[0]
     if kv_offsets is not None and not isinstance(kv_offsets, _C.JaggedOffsets):
-        kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets), num_rows, stream)
+        kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets, "kv_offsets"), num_rows, stream)
     num_users = kv_offsets.num_users if kv_offsets is not None else num_rows
     candidate_map = _candidate_map(cand_to_user_or_map, None, num_users, stream)
     # Validates q, k, v and the map, so nothing is allocated from the shape

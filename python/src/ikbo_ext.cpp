@@ -2,7 +2,8 @@
 //
 // Arrays arrive through DLPack as nb::ndarray (numpy on the CPU; torch, cupy
 // or jax on the CPU or a CUDA device) and become non-owning ikbo::Tensor
-// views: dtype float16, bfloat16, float32 or int32, device cpu or
+// views: dtype float16, bfloat16 or float32 (int32 for cand_to_user and
+// kv_offsets, which may also be lists of ints), device cpu or
 // cuda:<ordinal>, dense row-major only (a strided array is refused, never
 // silently copied). Everything beyond that — shapes, dtypes and devices
 // against each other, the candidate map — is validated by the library, whose
@@ -68,7 +69,11 @@ std::string dlpack_dtype_name(nb::dlpack::dtype dtype) {
   return name;
 }
 
-ikbo::DType to_dtype(nb::dlpack::dtype dtype, std::string_view name) {
+// The element types an argument takes: the map and the offsets are int32,
+// everything else one of the float types.
+enum class Elements { floating, int32 };
+
+ikbo::DType to_dtype(nb::dlpack::dtype dtype, std::string_view name, Elements elements) {
   using Code = nb::dlpack::dtype_code;
   if (dtype == nb::dtype<float>()) return ikbo::DType::f32;
   if (dtype == nb::dtype<std::int32_t>()) return ikbo::DType::i32;
@@ -78,8 +83,8 @@ ikbo::DType to_dtype(nb::dlpack::dtype dtype, std::string_view name) {
   if (dtype == nb::dlpack::dtype{static_cast<std::uint8_t>(Code::Bfloat), 16, 1}) {
     return ikbo::DType::bf16;
   }
-  fail(name, " has dtype ", dlpack_dtype_name(dtype),
-       ", which ikbo does not take (float16, bfloat16, float32 or int32)");
+  fail(name, " has dtype ", dlpack_dtype_name(dtype), ", which ikbo does not take: ", name,
+       " must be ", elements == Elements::int32 ? "int32" : "float16, bfloat16 or float32");
 }
 
 ikbo::Device to_device(int device_type, int device_id, std::string_view name) {
@@ -123,7 +128,8 @@ void check_row_major(const Array& array, std::string_view name) {
 }
 
 template <typename Array>
-ikbo::Tensor to_tensor(const Array& array, std::string_view name) {
+ikbo::Tensor to_tensor(const Array& array, std::string_view name,
+                       Elements elements = Elements::floating) {
   if (array.ndim() > static_cast<std::size_t>(ikbo::kMaxRank)) {
     fail(name, " has ", array.ndim(), " dimensions (shape ", extents_string(array, false),
          "), but ikbo tensors have at most ", ikbo::kMaxRank);
@@ -132,7 +138,7 @@ ikbo::Tensor to_tensor(const Array& array, std::string_view name) {
   ikbo::Tensor tensor;
   // Views are untyped and non-const by design; the ops only read their inputs.
   tensor.data = const_cast<void*>(static_cast<const void*>(array.data()));
-  tensor.dtype = to_dtype(array.dtype(), name);
+  tensor.dtype = to_dtype(array.dtype(), name, elements);
   tensor.device = to_device(array.device_type(), array.device_id(), name);
   tensor.rank = static_cast<int>(array.ndim());
   for (int dim = 0; dim < tensor.rank; ++dim) {
@@ -167,6 +173,26 @@ Int32View int32_view(std::span<const std::int32_t> values) {
 
 std::string python_bool(bool value) { return value ? "True" : "False"; }
 
+// cand_to_user or kv_offsets: any DLPack tensor, or a list or tuple of ints,
+// which numpy makes an int32 array. The op wrappers pass their mappings and
+// offsets through here, so they and the classes take the same inputs.
+InputArray int32_input(nb::handle value, std::string_view name) {
+  nb::object source = nb::borrow(value);
+  if (nb::isinstance<nb::list>(value) || nb::isinstance<nb::tuple>(value)) {
+    source = nb::module_::import_("numpy").attr("asarray")(value, "dtype"_a = "int32");
+  }
+  InputArray array;
+  if (!nb::try_cast(source, array)) {
+    std::string given = nb::type_name(value.type()).c_str();
+    if (nb::hasattr(value, "dtype")) {
+      given += " of dtype " + std::string(nb::str(value.attr("dtype")).c_str());
+    }
+    fail(name, " must be an int32 tensor (numpy, torch, ... through DLPack) or a list of ints",
+         ", got ", given, ", which does not export through DLPack");
+  }
+  return array;
+}
+
 void bind_candidate_map(nb::module_& m) {
   nb::class_<ikbo::CandidateMap>(
       m, "CandidateMap",
@@ -176,17 +202,18 @@ void bind_candidate_map(nb::module_& m) {
       "derived arrays also live on its device. Immutable.")
       .def(
           "__init__",
-          [](ikbo::CandidateMap* self, InputArray cand_to_user, std::int64_t num_users,
+          [](ikbo::CandidateMap* self, nb::handle cand_to_user, std::int64_t num_users,
              std::uintptr_t stream) {
-            const ikbo::Tensor view = to_tensor(cand_to_user, "cand_to_user");
+            const InputArray array = int32_input(cand_to_user, "cand_to_user");
+            const ikbo::Tensor view = to_tensor(array, "cand_to_user", Elements::int32);
             nb::gil_scoped_release release;
             new (self)
                 ikbo::CandidateMap(ikbo::CandidateMap::build(view, num_users, to_stream(stream)));
           },
-          "cand_to_user"_a, "num_users"_a, "stream"_a = 0,
+          "cand_to_user"_a.none(), "num_users"_a, "stream"_a = 0,
           "Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
-          "or a CUDA device (the map lives where the tensor is). `stream` orders the device\n"
-          "copies, which are synchronized before returning.")
+          "or a CUDA device (the map lives where the tensor is), or from a list of ints.\n"
+          "`stream` orders the device copies, which are synchronized before returning.")
       .def_prop_ro("num_candidates", &ikbo::CandidateMap::num_candidates, "B")
       .def_prop_ro("num_users", &ikbo::CandidateMap::num_users, "U")
       .def_prop_ro("is_sorted", &ikbo::CandidateMap::is_sorted, "cand_to_user is non-decreasing")
@@ -230,16 +257,17 @@ void bind_jagged_offsets(nb::module_& m) {
       "(starts at 0, non-decreasing, ends at total_rows). Immutable.")
       .def(
           "__init__",
-          [](ikbo::JaggedOffsets* self, InputArray offsets, std::int64_t total_rows,
+          [](ikbo::JaggedOffsets* self, nb::handle offsets, std::int64_t total_rows,
              std::uintptr_t stream) {
-            const ikbo::Tensor view = to_tensor(offsets, "kv_offsets");
+            const InputArray array = int32_input(offsets, "kv_offsets");
+            const ikbo::Tensor view = to_tensor(array, "kv_offsets", Elements::int32);
             nb::gil_scoped_release release;
             new (self) ikbo::JaggedOffsets(
                 ikbo::JaggedOffsets::build(view, total_rows, to_stream(stream)));
           },
-          "offsets"_a, "total_rows"_a, "stream"_a = 0,
+          "offsets"_a.none(), "total_rows"_a, "stream"_a = 0,
           "Builds the offsets from a 1-D int32 tensor of U + 1 entries on the CPU or a CUDA\n"
-          "device (they live where the tensor is).")
+          "device (they live where the tensor is), or from a list of ints.")
       .def_prop_ro("num_users", &ikbo::JaggedOffsets::num_users, "U")
       .def_prop_ro("total_rows", &ikbo::JaggedOffsets::total_rows, "rows of the jagged tensor")
       .def_prop_ro("max_length", &ikbo::JaggedOffsets::max_length, "the longest user sequence")

@@ -56,7 +56,8 @@ def test_out_of_range_mapping_message(lce_inputs):
         ),
         (
             lambda a: a.update(e_u=a["e_u"].astype(np.float64)),
-            "e_u has dtype float64, which ikbo does not take",
+            "e_u has dtype float64, which ikbo does not take: e_u must be float16, bfloat16 "
+            "or float32",
         ),
         (
             lambda a: a.update(e_c=a["e_c"][:, :4].copy()),
@@ -225,6 +226,51 @@ def test_scalar_where_the_wrappers_read_a_row_count(lce_inputs, attention_inputs
         ikbo.attention(q, scalar, scalar, cand_to_user, out=out)
     with pytest.raises(ValueError, match=re.escape("k must have 3 dimensions, got 0 (shape [])")):
         ikbo.attention(q, scalar, scalar, cand_to_user, kv_offsets=[0, 2, 5], out=out)
+    expect_untouched(out)
+
+
+def test_dtype_errors_list_what_the_argument_takes(lce_inputs, attention_inputs):
+    w_c, w_u, e_c, e_u, cand_to_user, out = lce_inputs
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "cand_to_user has dtype int64, which ikbo does not take: cand_to_user must be int32"
+        ),
+    ):
+        ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user.astype(np.int64), out=out)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "e_c has dtype float64, which ikbo does not take: e_c must be float16, bfloat16 "
+            "or float32"
+        ),
+    ):
+        ikbo.lce(w_c, w_u, e_c.astype(np.float64), e_u, cand_to_user, out=out)
+    expect_untouched(out)
+    q, k, v, cand_to_user, out = attention_inputs
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "kv_offsets has dtype uint32, which ikbo does not take: kv_offsets must be int32"
+        ),
+    ):
+        ikbo.attention(
+            q, k[0], v[0], cand_to_user, kv_offsets=np.array([0, 2, 5], np.uint32), out=out
+        )
+    expect_untouched(out)
+
+
+def test_numpy_bfloat16_is_refused_with_a_message(attention_inputs):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v, cand_to_user, out = attention_inputs
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "q is a numpy bfloat16 array (ml_dtypes), which numpy cannot export through "
+            "DLPack: pass bfloat16 data as a torch tensor, or q as float16 or float32"
+        ),
+    ):
+        ikbo.attention(q.astype(ml_dtypes.bfloat16), k, v, cand_to_user, out=out)
     expect_untouched(out)
 
 

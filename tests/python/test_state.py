@@ -68,7 +68,12 @@ def test_candidate_map_out_of_range_message(bad_value):
 
 
 def test_candidate_map_rejects_wrong_dtype_rank_and_strides():
-    with pytest.raises(ValueError, match="cand_to_user has dtype int64, which ikbo does not take"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "cand_to_user has dtype int64, which ikbo does not take: cand_to_user must be int32"
+        ),
+    ):
         ikbo.CandidateMap(np.array([0, 1], dtype=np.int64), 2)
     with pytest.raises(ValueError, match="cand_to_user must have dtype int32, got float32"):
         ikbo.CandidateMap(np.array([0, 1], dtype=np.float32), 2)
@@ -98,6 +103,36 @@ def test_jagged_offsets_properties_and_validation():
         ValueError, match=re.escape("kv_offsets[2] must equal the number of K/V rows 9, got 5")
     ):
         ikbo.JaggedOffsets(np.array([0, 2, 5], dtype=np.int32), 9)
+
+
+def test_state_takes_lists_of_ints_like_the_ops():
+    from_list = ikbo.CandidateMap([2, 0, 2], 3)
+    np.testing.assert_array_equal(from_list.cand_to_user, [2, 0, 2])
+    np.testing.assert_array_equal(from_list.user_counts, [1, 0, 2])
+    assert ikbo.CandidateMap((0, 1), 2).num_candidates == 2
+    assert ikbo.CandidateMap([], 2).num_candidates == 0
+    offsets = ikbo.JaggedOffsets([0, 0, 3, 5], 5)
+    np.testing.assert_array_equal(offsets.offsets, [0, 0, 3, 5])
+    assert ikbo.JaggedOffsets((0, 4), 4).max_length == 4
+    # The library validates them like arrays.
+    with pytest.raises(ValueError, match=re.escape("cand_to_user[1] = 3 is out of range [0, 3)")):
+        ikbo.CandidateMap([0, 3], 3)
+    with pytest.raises(ValueError, match=re.escape("kv_offsets[0] must be 0, got 1")):
+        ikbo.JaggedOffsets([1, 3], 3)
+
+
+@pytest.mark.parametrize("value, given", [("01", "str"), (None, "NoneType")])
+def test_state_from_neither_tensor_nor_list_names_the_argument(value, given):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "cand_to_user must be an int32 tensor (numpy, torch, ... through DLPack) or a list "
+            f"of ints, got {given}"
+        ),
+    ):
+        ikbo.CandidateMap(value, 2)
+    with pytest.raises(ValueError, match=re.escape("kv_offsets must be an int32 tensor")):
+        ikbo.JaggedOffsets(value, 2)
 
 
 def test_lce_plan_properties_and_validation():
