@@ -123,6 +123,8 @@ LinearPlan::State prepare_linear_plan(const LinearWeights& weights);
 void linear(const LinearArgs& args);
 void attention(const AttentionArgs& args);
 void gather_rows(const GatherRowsArgs& args);
+// The largest extent or leading dimension the BLAS takes (its blasint).
+std::int64_t max_blas_extent();
 }  // namespace cpu
 
 // The published LCE staircase's "decomposed" stage, a benchmark baseline:

@@ -31,6 +31,10 @@ detail::AttentionArgs check_inputs(const Tensor& q, const Tensor& k, const Tenso
   require(heads >= 1, "q dimension 2 (H) must be >= 1, got ", heads);
   require(head_dim == 64 || head_dim == 128 || head_dim == 256,
           "q dimension 3 (head dim D) must be 64, 128 or 256, got ", head_dim);
+  if (!device.is_cuda() && dtype == DType::f32) {
+    // The CPU multiplies fp32 K and V in place, where a head's rows are H * D apart.
+    detail::check_blas_extent(heads * head_dim, "H * D of q");
+  }
   detail::check_map(map, q, "q", nullptr, {}, device, "q");
 
   const int head_axis = kv_rank - 2;

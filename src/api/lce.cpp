@@ -22,6 +22,10 @@ detail::LceArgs check_inputs(const LcePlan& plan, const Tensor& e_c, const Tenso
   check_dim(e_u, "e_u", 2, e_c.size(2), "N of e_c");
   require(e_c.size(2) >= 1, "e_c dimension 2 (N) must be >= 1, got ", e_c.size(2));
   detail::check_map(map, e_c, "e_c", &e_u, "e_u", weights.device, "the weights");
+  if (!weights.device.is_cuda()) {
+    // The CPU keeps the user partials as one [M, U * N] matrix.
+    detail::check_blas_extent(e_u.size(0) * e_u.size(2), "U * N of e_u");
+  }
   detail::LceArgs args;
   args.plan = &weights;
   args.n = e_c.size(2);

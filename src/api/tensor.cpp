@@ -28,7 +28,9 @@ const char* dtype_name(DType dtype) {
 }
 
 std::string device_name(Device device) {
-  return device.is_cuda() ? "cuda:" + std::to_string(device.index) : std::string("cpu");
+  if (device.is_cuda()) return "cuda:" + std::to_string(device.index);
+  // The CPU is device index 0; another index is named so that an error about it reads true.
+  return device.index == 0 ? std::string("cpu") : "cpu:" + std::to_string(device.index);
 }
 
 Tensor::Tensor(void* data_, DType dtype_, std::initializer_list<std::int64_t> shape_,
@@ -41,6 +43,8 @@ Tensor::Tensor(void* data_, DType dtype_, std::initializer_list<std::int64_t> sh
 }
 
 std::int64_t Tensor::numel() const {
+  // The fields are public: a rank set by hand may lie outside the shape array.
+  if (rank < 0 || rank > kMaxRank) return -1;
   std::int64_t count = 1;
   for (int i = 0; i < rank; ++i) {
     std::int64_t extent = shape[static_cast<std::size_t>(i)];
@@ -54,6 +58,7 @@ std::int64_t Tensor::numel() const {
 }
 
 std::string Tensor::shape_string() const {
+  if (rank < 0 || rank > kMaxRank) return "[rank " + std::to_string(rank) + "]";
   std::string text = "[";
   for (int i = 0; i < rank; ++i) {
     if (i) text += ", ";
@@ -84,10 +89,22 @@ void check_tensor(const Tensor& tensor, std::string_view name, DType dtype, Devi
           kMaxElements, ")");
   require(tensor.dtype == dtype, name, " must have dtype ", dtype_name(dtype), ", got ",
           dtype_name(tensor.dtype));
+  check_cpu_index(tensor.device, name);
   require(tensor.device == device, name, " must be on ", device_name(device), ", got ",
           device_name(tensor.device));
   require(count == 0 || tensor.data != nullptr, name, " is a null pointer but has shape ",
           tensor.shape_string());
+}
+
+void check_cpu_index(Device device, std::string_view name) {
+  require(device.is_cuda() || device.index == 0, name, " is on ", device_name(device),
+          ", but the CPU is one device, index 0");
+}
+
+void check_blas_extent(std::int64_t value, std::string_view what) {
+  const std::int64_t limit = cpu::max_blas_extent();
+  require(value <= limit, what, " = ", value,
+          " exceeds what the CPU backend's BLAS indexes (", limit, ")");
 }
 
 void check_dim(const Tensor& tensor, std::string_view name, int dim, std::int64_t expected,

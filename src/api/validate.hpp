@@ -38,6 +38,12 @@ inline constexpr std::int64_t kMaxExtent = (std::int64_t{1} << 31) - 1;
 // non-negative extents and an element count the kernels can index.
 void check_tensor(const Tensor& tensor, std::string_view name, DType dtype, Device device,
                   int rank);
+// Checks that a CPU device has index 0 (the CPU is one device); `name` is
+// what is on it.
+void check_cpu_index(Device device, std::string_view name);
+// The CPU backend: checks that a product of extents that becomes one BLAS
+// extent or leading dimension fits the BLAS index type; `what` names it.
+void check_blas_extent(std::int64_t value, std::string_view what);
 // Checks that dimension `dim` of `tensor` equals `expected`; `meaning` says
 // where the expected value comes from, e.g. "M of w_c".
 void check_dim(const Tensor& tensor, std::string_view name, int dim, std::int64_t expected,

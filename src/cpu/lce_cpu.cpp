@@ -23,6 +23,7 @@
 // (see blas_uses_openmp), never inside a BLAS call or around one.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <type_traits>
 
@@ -197,5 +198,7 @@ LcePlan::State prepare_lce_plan(DType dtype, std::int64_t m, std::int64_t ku, st
 void lce(const LceArgs& args) {
   visit_storage(args.plan->dtype, [&]<typename Storage>(Storage) { run_lce<Storage>(args); });
 }
+
+std::int64_t max_blas_extent() { return std::numeric_limits<blasint>::max(); }
 
 }  // namespace ikbo::detail::cpu

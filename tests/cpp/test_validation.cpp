@@ -215,6 +215,33 @@ TEST_P(LceValidation, ShapesBeyondTheIndexableRangeAreRejected) {
       {"e_c shape [1073741824, 12, 1073741824] has more elements than"}));
 }
 
+// Tensor's fields are public, so a rank can be set past the shape array.
+TEST_P(LceValidation, RankBeyondTheShapeArrayIsRejected) {
+  LceCall bad = call();
+  bad.e_u.rank = kMaxRank + 2;
+  EXPECT_TRUE(bad.rejected_with({"e_u must have 3 dimensions, got 6 (shape [rank 6])"}));
+  Tensor w_c = operands().w_c.view();
+  w_c.rank = -1;
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { LcePlan::create(w_c, operands().w_u.view()); },
+      {"w_c must have 2 dimensions, got -1 (shape [rank -1])"}, {}));
+}
+
+// The CPU keeps the user partials as one [M, U * N] matrix for 32-bit BLAS.
+TEST_P(LceValidation, UserPartialsBeyondTheBlasIndexRangeAreRejectedOnTheCpu) {
+  if (device().is_cuda()) GTEST_SKIP() << "the BLAS index range is the CPU backend's limit";
+  constexpr std::int64_t n = (std::int64_t{1} << 31) - 1;  // U * N = 3 * (2^31 - 1)
+  LceCall wide = call();
+  wide.e_c = Tensor(wide.e_c.data, LceOperands::dtype, {LceOperands::num_candidates,
+                                                        LceOperands::kc, n}, device());
+  wide.e_u = Tensor(wide.e_u.data, LceOperands::dtype, {LceOperands::num_users,
+                                                        LceOperands::ku, n}, device());
+  wide.out = Tensor(wide.out.data, LceOperands::dtype, {LceOperands::num_candidates,
+                                                        LceOperands::m, n}, device());
+  EXPECT_TRUE(wide.rejected_with(
+      {"U * N of e_u = 6442450941 exceeds what the CPU backend's BLAS indexes"}));
+}
+
 TEST_P(LceValidation, OutMustNotAliasAnInput) {
   LceCall aliased = call();
   aliased.out.data = aliased.e_c.data;
@@ -232,6 +259,17 @@ TEST_P(LceValidation, TensorsMustBeOnThePlanDevice) {
   LceCall bad_out = call();
   bad_out.out.device = other_device(device());
   EXPECT_TRUE(bad_out.rejected_with({"out must be on " + plan_device + ", got " + elsewhere}));
+}
+
+// The CPU is one device: another CPU index is refused, and named as it is.
+TEST_P(LceValidation, CpuIndexOtherThanZeroIsRejected) {
+  LceCall bad = call();
+  bad.e_c.device = Device{DeviceType::cpu, 1};
+  EXPECT_TRUE(bad.rejected_with({"e_c is on cpu:1, but the CPU is one device, index 0"}));
+  std::vector<std::int32_t> cand_to_user{0, 1};
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { CandidateMap::build(cand_to_user.data(), 2, 2, Device{DeviceType::cpu, 2}); },
+      {"the CandidateMap is on cpu:2"}, {}));
 }
 
 TEST_P(LceValidation, MapMustBeOnThePlanDevice) {
@@ -507,6 +545,22 @@ TEST_P(AttentionValidation, ShapesBeyondTheIndexableRangeAreRejected) {
       Tensor(overflowing_count.q.data, dtype, {kLargeExtent, kLargeExtent, 2, 64}, device());
   EXPECT_TRUE(overflowing_count.rejected_with(
       {"q shape [1073741824, 1073741824, 2, 64] has more elements than"}));
+}
+
+// fp32 K and V are multiplied in place on the CPU, a head's rows H * D apart.
+TEST_P(AttentionValidation, HeadRowsBeyondTheBlasIndexRangeAreRejectedOnTheCpu) {
+  if (device().is_cuda()) GTEST_SKIP() << "the BLAS index range is the CPU backend's limit";
+  constexpr std::int64_t heads = std::int64_t{1} << 23, head_dim = 256;  // H * D = 2^31
+  AttentionCall wide = dense();
+  const auto view = [&](const Tensor& tensor, std::int64_t rows, std::int64_t inner) {
+    return Tensor(tensor.data, DType::f32, {tensor.size(0), rows, inner, head_dim}, device());
+  };
+  wide.q = view(wide.q, AttentionOperands::n_seed, heads);
+  wide.k = view(wide.k, AttentionOperands::seq_len, heads);
+  wide.v = view(wide.v, AttentionOperands::seq_len, heads);
+  wide.out = view(wide.out, AttentionOperands::n_seed, heads);
+  EXPECT_TRUE(wide.rejected_with(
+      {"H * D of q = 2147483648 exceeds what the CPU backend's BLAS indexes"}));
 }
 
 TEST_P(AttentionValidation, ScaleMustBeFinite) {
