@@ -250,6 +250,57 @@ def test_torch_compile_fullgraph(compiler):
         torch.testing.assert_close(got, want)
 
 
+def request_inputs(generator, batch, users, device="cpu"):
+    """ranking_step's inputs for a request of `batch` candidates of `users`
+    users, with a drawn mapping."""
+    m, ku, kc, n = 11, 6, 9, 5
+
+    def draw(*shape):
+        return randn(generator, shape, device=device)
+
+    cand_to_user = torch.randint(0, users, (batch,), generator=generator, dtype=torch.int32)
+    return (
+        draw(m, kc) / kc**0.5,
+        draw(m, ku) / ku**0.5,
+        draw(batch, kc, n),
+        draw(users, ku, n),
+        draw(batch, 2, 2, 64),
+        draw(users, 5, 2, 64),
+        draw(users, 5, 2, 64),
+        draw(batch, 4),
+        draw(users, 3),
+        draw(6, 7),
+        cand_to_user.to(device),
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_torch_compile_with_dynamic_shapes(device):
+    """One graph traced with symbolic sizes serves requests of other B and U:
+    the fake implementations size the outputs from the inputs."""
+    torch._dynamo.reset()
+    compiled = torch.compile(ranking_step, backend="aot_eager", dynamic=True, fullgraph=True)
+    generator = torch.Generator().manual_seed(17)
+    for batch, users in [(7, 3), (11, 3), (13, 5), (64, 7)]:
+        inputs = request_inputs(generator, batch, users, device)
+        for got, want in zip(compiled(*inputs), ranking_step(*inputs)):
+            torch.testing.assert_close(got, want)
+
+
+@needs_cuda
+def test_reduce_overhead_takes_a_new_mapping_on_every_call():
+    """mode="reduce-overhead" replays its CUDA graphs with new inputs copied in;
+    the ops, tagged cudagraph_unsafe, run outside them, so each request's
+    mapping is its own (a captured map would be the first request's)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(ranking_step, mode="reduce-overhead", fullgraph=True)
+    generator = torch.Generator().manual_seed(18)
+    for _ in range(4):
+        inputs = request_inputs(generator, 9, 3, "cuda")
+        for got, want in zip(compiled(*inputs), ranking_step(*inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_torch_export_keeps_the_ops():
     class Step(torch.nn.Module):
         def forward(self, *inputs):
