@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -173,19 +174,40 @@ Int32View int32_view(std::span<const std::int32_t> values) {
 
 std::string python_bool(bool value) { return value ? "True" : "False"; }
 
+// str(value), as Python prints it.
+std::string python_str(nb::handle value) { return nb::cast<std::string>(value.attr("__str__")()); }
+
 // cand_to_user or kv_offsets: any DLPack tensor, or a list or tuple of ints,
 // which numpy makes an int32 array. The op wrappers pass their mappings and
 // offsets through here, so they and the classes take the same inputs.
 InputArray int32_input(nb::handle value, std::string_view name) {
   nb::object source = nb::borrow(value);
   if (nb::isinstance<nb::list>(value) || nb::isinstance<nb::tuple>(value)) {
-    source = nb::module_::import_("numpy").attr("asarray")(value, "dtype"_a = "int32");
+    // Converted as numpy reads the values, then checked: a cast to int32
+    // straight away would truncate 1.5 to 1 and wrap 2^32 to 0 silently.
+    nb::object values = nb::module_::import_("numpy").attr("asarray")(value);
+    if (nb::cast<std::int64_t>(values.attr("size")) > 0) {
+      const auto kind = nb::cast<std::string>(values.attr("dtype").attr("kind"));
+      if (kind != "i" && kind != "u") {
+        fail(name, " must be a list of ints, got elements numpy reads as ",
+             nb::cast<std::string>(values.attr("dtype").attr("name")));
+      }
+      for (const char* end : {"min", "max"}) {
+        const auto extreme = nb::cast<double>(values.attr(end)());
+        if (extreme < std::numeric_limits<std::int32_t>::min() ||
+            extreme > std::numeric_limits<std::int32_t>::max()) {
+          fail(name, " holds ", python_str(values.attr(end)()),
+               ", outside the int32 range");
+        }
+      }
+    }
+    source = values.attr("astype")("int32");
   }
   InputArray array;
   if (!nb::try_cast(source, array)) {
     std::string given = nb::type_name(value.type()).c_str();
     if (nb::hasattr(value, "dtype")) {
-      given += " of dtype " + std::string(nb::str(value.attr("dtype")).c_str());
+      given += " of dtype " + python_str(value.attr("dtype"));
     }
     fail(name, " must be an int32 tensor (numpy, torch, ... through DLPack) or a list of ints",
          ", got ", given, ", which does not export through DLPack");

@@ -121,7 +121,25 @@ def test_state_takes_lists_of_ints_like_the_ops():
         ikbo.JaggedOffsets([1, 3], 3)
 
 
-@pytest.mark.parametrize("value, given", [("01", "str"), (None, "NoneType")])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ([0, 1.5], "cand_to_user must be a list of ints, got elements numpy reads as float64"),
+        ([0, 2**32], "cand_to_user holds 4294967296, outside the int32 range"),
+        ([-(2**31) - 1, 0], "cand_to_user holds -2147483649, outside the int32 range"),
+    ],
+)
+def test_lists_are_read_as_given_not_cast(values, message):
+    """A list is checked before it becomes int32: a cast would make 1.5 a 1
+    and 2^32 a 0 without a word."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ikbo.CandidateMap(values, 2)
+
+
+@pytest.mark.parametrize(
+    "value, given",
+    [("01", "str"), (None, "NoneType"), (np.array(["0", "1"]), "ndarray of dtype <U1")],
+)
 def test_state_from_neither_tensor_nor_list_names_the_argument(value, given):
     with pytest.raises(
         ValueError,
