@@ -90,11 +90,11 @@ def _checked_shape(tensor: Array, name: str, rank: int) -> tuple[int, ...]:
     return shape
 
 
-def _user_feature_count(weight: Array, x_c: Array, x_u: Array) -> int:
-    """Ku of torch's weight [N_out, Ku + Kc]: the width of x_u, which with the
-    width of x_c must make up weight's columns. Checked here because a wrong
-    Ku would otherwise be reported against x_c or num_user_features."""
-    x_u_shape = _checked_shape(x_u, "x_u", 2)
+def _user_feature_count(weight: Array, x_c: Array, x_u_shape: tuple[int, ...]) -> int:
+    """Ku of torch's weight [N_out, Ku + Kc]: the width of x_u (shape
+    `x_u_shape`, checked 2-D), which with the width of x_c must make up
+    weight's columns. Checked here because a wrong Ku would otherwise be
+    reported against x_c or num_user_features."""
     weight_shape, x_c_shape = tuple(weight.shape), tuple(x_c.shape)
     # Other ranks are the library's to report.
     if len(weight_shape) == 2 and len(x_c_shape) == 2:
@@ -280,6 +280,7 @@ def linear(
     """
     x_c, x_u = _exportable(x_c, "x_c"), _exportable(x_u, "x_u")
     stream = _current_stream(x_c)
+    x_u_shape = _checked_shape(x_u, "x_u", 2)
     if isinstance(weight_or_plan, _C.LinearPlan):
         plan = weight_or_plan
         if bias is not None:
@@ -293,20 +294,19 @@ def linear(
             )
     else:
         if num_user_features is None:
-            num_user_features = _user_feature_count(weight_or_plan, x_c, x_u)
+            num_user_features = _user_feature_count(weight_or_plan, x_c, x_u_shape)
         plan = _C.LinearPlan.from_concatenated(
             _exportable(weight_or_plan, "weight"),
             num_user_features,
             None if bias is None else _exportable(bias, "bias"),
             stream,
         )
-    num_rows = _checked_shape(x_u, "x_u", 2)[0]
-    candidate_map = _candidate_map(cand_to_user_or_map, None, num_rows, stream)
-    if len(x_c.shape) == 2 and len(x_u.shape) == 2:
+    candidate_map = _candidate_map(cand_to_user_or_map, None, x_u_shape[0], stream)
+    if len(x_c.shape) == 2:
         # Sized from the row counts alone: a linear layer's kernel is short
         # enough that exporting x_c and x_u a second time shows. _C.linear
         # validates every argument before it writes anything.
-        workspace_bytes = _C.linear_workspace_bytes(plan, x_c.shape[0], x_u.shape[0])
+        workspace_bytes = _C.linear_workspace_bytes(plan, x_c.shape[0], x_u_shape[0])
     else:
         # Raises the ValueError that names the argument.
         workspace_bytes = _C.linear_workspace_bytes(plan, x_c, x_u, candidate_map)
