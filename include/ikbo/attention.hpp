@@ -6,7 +6,9 @@
 // q, out [B, n_seed, H, D]. K/V either dense [U, S, H, D] (every user has S
 // keys) or jagged [total, H, D] with offsets [U + 1] (user u owns rows
 // offsets[u] .. offsets[u+1]). Non-causal; scale defaults to 1/sqrt(D).
-// A user with an empty history (jagged length 0) gets an output of zeros.
+// A user with an empty history (jagged length 0) gets an output of zeros, as
+// does a query row whose every key scores -inf (infinite inputs); a key
+// scoring -inf gets weight 0.
 // Dtypes f16, bf16 or f32 (all of q, k, v, out alike); D in {64, 128, 256};
 // any n_seed >= 1, H >= 1. Softmax and accumulation in fp32.
 #pragma once

@@ -18,8 +18,8 @@
 //    The tile height shrinks for long histories so the score tile stays
 //    within kScoreBudgetBytes.
 // A user with no keys gets zeros; a user without candidates is skipped. A key
-// scoring -inf gets weight 0; a row whose every score is -inf has no softmax
-// (0 / 0) and gives NaN, as the GPU kernels do.
+// scoring -inf gets weight 0, and a row whose every key scores -inf gets
+// zeros, as a user without keys does (the GPU kernels agree).
 //
 // Threading: OpenBLAS threads each sgemm. The gathers, the softmax and the
 // scatter between them run on OpenMP only where OpenBLAS is the OpenMP build
@@ -126,13 +126,15 @@ struct QueryBlock {
   }
 };
 
-// scores[r, :] <- exp2(scores[r, :] - max_r); row_sums[r] <- their sum.
+// scores[r, :] <- exp2(scores[r, :] - max_r); row_sums[r] <- their sum. max_r
+// is at least the lowest finite float, so a row of -inf scores gets weights
+// 0 (not exp2(-inf - (-inf)) = NaN) and the sum 0.
 void softmax_rows_unnormalized(float* scores, std::int64_t rows, std::int64_t seq_len,
                                float* row_sums) {
 #pragma omp parallel for schedule(static) if (parallel_elementwise(rows * seq_len))
   for (std::int64_t row = 0; row < rows; ++row) {
     float* __restrict row_scores = scores + row * seq_len;
-    float row_max = -std::numeric_limits<float>::infinity();
+    float row_max = std::numeric_limits<float>::lowest();
 #pragma omp simd reduction(max : row_max)
     for (std::int64_t key = 0; key < seq_len; ++key) {
       row_max = row_scores[key] > row_max ? row_scores[key] : row_max;
@@ -229,7 +231,7 @@ void run_attention(const AttentionArgs& args) {
                  Transpose::no, 0.0f, output_tile.get(), head_dim);
 #pragma omp parallel for schedule(static) if (parallel_elementwise(rows * head_dim))
         for (std::int64_t row = 0; row < rows; ++row) {
-          const float inverse_sum = 1.0f / row_sums[row];
+          const float inverse_sum = row_sums[row] > 0.0f ? 1.0f / row_sums[row] : 0.0f;
           const float* __restrict result = output_tile.get() + row * head_dim;
           Storage* __restrict destination = out + block.offset(tile_begin + row, head);
           for (std::int64_t d = 0; d < head_dim; ++d) {

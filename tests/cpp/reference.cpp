@@ -305,6 +305,9 @@ std::vector<double> reference_attention(const AttentionShape& shape, std::span<c
           probabilities[static_cast<std::size_t>(j)] = scale * dot;
           largest = std::max(largest, scale * dot);
         }
+        // Every key scoring -inf: no key has weight, and the row gets zeros,
+        // as for a user without keys.
+        if (largest == -std::numeric_limits<double>::infinity()) continue;
         double total = 0.0;
         for (double& p : probabilities) total += (p = std::exp(p - largest));
         double* result = out.data() + (b * n_seed + seed) * row_stride + h * head_dim;
@@ -364,11 +367,45 @@ AttentionInputs random_attention_inputs(SeededRng& rng, DType dtype, const Atten
   return inputs;
 }
 
+void set_minus_infinity_keys(AttentionInputs& inputs, DType dtype,
+                             std::span<const KeyRange> ranges) {
+  for (double& value : inputs.q.values) value = round_to_dtype(std::abs(value) + 0.5, dtype);
+  const std::int64_t row_elements = inputs.shape.heads * inputs.shape.head_dim;
+  for (const KeyRange& range : ranges) {
+    const std::int64_t first_row =
+        inputs.kv_offsets[static_cast<std::size_t>(range.user)] + range.first;
+    std::fill_n(inputs.k.values.begin() + first_row * row_elements, range.count * row_elements,
+                -std::numeric_limits<double>::infinity());
+  }
+}
+
 std::span<const double> candidate_outputs(std::span<const double> values,
                                           const AttentionInputs& inputs, std::int64_t b) {
   const auto size =
       static_cast<std::size_t>(inputs.shape.n_seed * inputs.shape.heads * inputs.shape.head_dim);
   return values.subspan(static_cast<std::size_t>(b) * size, size);
+}
+
+testing::AssertionResult matches_reference_per_candidate(std::span<const double> actual,
+                                                         std::span<const double> expected,
+                                                         const AttentionInputs& inputs,
+                                                         DType dtype) {
+  if (actual.size() != expected.size()) return matches_reference(actual, expected, dtype);
+  for (std::int64_t b = 0; b < inputs.shape.num_candidates; ++b) {
+    const std::span<const double> outputs = candidate_outputs(actual, inputs, b);
+    const std::span<const double> reference = candidate_outputs(expected, inputs, b);
+    if (std::ranges::all_of(reference, [](double value) { return value == 0.0; })) {
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (outputs[i] != 0.0) {
+          return testing::AssertionFailure() << "candidate " << b << " has out element " << i
+                                             << " = " << outputs[i] << ", expected 0";
+        }
+      }
+    } else if (auto match = matches_reference(outputs, reference, dtype); !match) {
+      return match << " (candidate " << b << ")";
+    }
+  }
+  return testing::AssertionSuccess();
 }
 
 testing::AssertionResult empty_histories_give_zeros(const AttentionInputs& inputs,

@@ -118,7 +118,8 @@ std::vector<double> reference_lce(const LceShape& shape, std::span<const double>
 struct AttentionShape {
   std::int64_t num_candidates = 0, n_seed = 0, heads = 0, head_dim = 0;
 };
-// kv_offsets [U + 1]; a user with no rows gets zeros.
+// kv_offsets [U + 1]; a user with no rows, or a row whose every key scores
+// -inf, gets zeros.
 std::vector<double> reference_attention(const AttentionShape& shape, std::span<const double> q,
                                         std::span<const double> k, std::span<const double> v,
                                         std::span<const std::int32_t> cand_to_user,
@@ -152,9 +153,24 @@ struct AttentionInputs {
 };
 AttentionInputs random_attention_inputs(SeededRng& rng, DType dtype, const AttentionCase& test_case);
 
+// Keys first .. first + count of a user's history.
+struct KeyRange {
+  std::int64_t user, first, count;
+};
+// Makes every query positive (|q| + 1/2, in dtype) and sets the keys of each
+// range to -inf, so that those keys score -inf at a positive scale.
+void set_minus_infinity_keys(AttentionInputs& inputs, DType dtype,
+                             std::span<const KeyRange> ranges);
+
 // The elements of candidate b in q or out.
 std::span<const double> candidate_outputs(std::span<const double> values,
                                           const AttentionInputs& inputs, std::int64_t b);
+// Each candidate's outputs against its part of the reference: exact zeros
+// where the reference is all zeros, matches_reference elsewhere.
+testing::AssertionResult matches_reference_per_candidate(std::span<const double> actual,
+                                                         std::span<const double> expected,
+                                                         const AttentionInputs& inputs,
+                                                         DType dtype);
 // Candidates whose user has no history must get exact zeros.
 testing::AssertionResult empty_histories_give_zeros(const AttentionInputs& inputs,
                                                     std::span<const double> actual);

@@ -308,20 +308,26 @@ class AttentionMinusInfinityKeys : public DeviceDtypeTest {};
 
 // A key row of -inf against positive queries scores -inf: its softmax
 // weight is exp(-inf) = 0, as for a key past the user's end, and the other
-// keys are unaffected. (The CPU's exp2 once made it NaN: -inf - round(-inf).)
+// keys are unaffected (the CPU's exp2 once made it NaN: -inf - round(-inf)),
+// also where every key of the first K/V blocks scores -inf (the kernels'
+// running maximum was -inf there, and their first correction NaN). A user
+// whose every key scores -inf gets zeros, as one without keys does.
 TEST_P(AttentionMinusInfinityKeys, GetZeroWeight) {
-  SeededRng rng;
-  const AttentionCase test_case{
-      "minus_infinity_keys", 5, 2, 3, 2, 64, 0, {7, 40}, MapOrder::unsorted, std::nullopt};
-  AttentionInputs inputs = random_attention_inputs(rng, dtype(), test_case);
-  for (double& value : inputs.q.values) value = round_to_dtype(std::abs(value) + 0.5, dtype());
-  const std::int64_t row_elements = test_case.heads * test_case.head_dim;
-  for (const std::int64_t row : {inputs.kv_offsets[0] + 2, inputs.kv_offsets[1] + 10}) {
-    std::fill_n(inputs.k.values.begin() + row * row_elements, row_elements,
-                -std::numeric_limits<double>::infinity());
+  const std::vector<AttentionCase> cases{
+      {"jagged", 7, 3, 3, 2, 64, 0, {300, 40, 7}, MapOrder::unsorted, std::nullopt},
+      {"dense", 7, 3, 3, 2, 64, 300, {}, MapOrder::unsorted, std::nullopt}};
+  for (const AttentionCase& test_case : cases) {
+    SCOPED_TRACE(test_case.name);
+    SeededRng rng;
+    AttentionInputs inputs = random_attention_inputs(rng, dtype(), test_case);
+    const std::int64_t last_user_keys = test_case.jagged() ? 7 : 300;
+    const std::vector<KeyRange> ranges{{0, 0, 200}, {1, 0, test_case.jagged() ? 40 : 300},
+                                       {2, 2, 1}, {2, last_user_keys - 1, 1}};
+    set_minus_infinity_keys(inputs, dtype(), ranges);
+    const std::vector<double> expected = inputs.expected();
+    const std::vector<double> actual = run_attention(device(), test_case, inputs);
+    EXPECT_TRUE(matches_reference_per_candidate(actual, expected, inputs, dtype()));
   }
-  const std::vector<double> actual = run_attention(device(), test_case, inputs);
-  EXPECT_TRUE(matches_reference(actual, inputs.expected(), dtype()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, AttentionMinusInfinityKeys,

@@ -418,6 +418,45 @@ TEST_F(AttentionSm90Test, NonFiniteRowsOfTheNextUserNeverReachOut) {
   }
 }
 
+// Keys scoring -inf (AttentionMinusInfinityKeys) on every Hopper path and
+// head dimension: the first 200 keys of user 0 (whole K/V blocks of 64 and
+// 128 keys, so its running maxima stay at their floor until a later block
+// overflows against it and rescales), every key of user 1 (zeros), and
+// single keys of user 2. The units after user 1's try its maxima as their
+// prediction.
+TEST_F(AttentionSm90Test, MinusInfinityKeysOnEveryPath) {
+  const DType dtype = DType::f16;
+  for (const std::int64_t head_dim : {64, 128, 256}) {
+    for (const bool jagged : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "D=" << head_dim << (jagged ? " jagged" : " dense"));
+      const AttentionCase test_case{"minus_infinity_keys",
+                                    12,
+                                    3,
+                                    37,
+                                    2,
+                                    head_dim,
+                                    jagged ? 0 : 300,
+                                    jagged ? std::vector<std::int64_t>{300, 40, 130}
+                                           : std::vector<std::int64_t>{},
+                                    MapOrder::unsorted,
+                                    std::nullopt};
+      SeededRng rng;
+      AttentionInputs inputs = random_attention_inputs(rng, dtype, test_case);
+      const std::vector<KeyRange> ranges{
+          {0, 0, 200}, {1, 0, jagged ? 40 : 300}, {2, 2, 1}, {2, 129, 1}};
+      set_minus_infinity_keys(inputs, dtype, ranges);
+      const DeviceProblem problem(inputs, test_case.num_users, jagged);
+      const std::vector<double> expected = inputs.expected();
+      for (const Path path : {Path::portable, Path::hopper_default, Path::ping_pong,
+                              Path::cooperative, Path::ping_pong_lookahead,
+                              Path::cooperative_lookahead, Path::split_keys}) {
+        SCOPED_TRACE(testing::Message() << "path " << static_cast<int>(path));
+        EXPECT_TRUE(matches_reference_per_candidate(problem.run(path), expected, inputs, dtype));
+      }
+    }
+  }
+}
+
 // Tall units run only where a call has rounds enough of them (four for
 // jagged K/V, ten for dense): a small jagged call and a small dense call of
 // a length not in whole blocks keep the two-warpgroup kernel at D = 128,

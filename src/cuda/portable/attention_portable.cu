@@ -42,6 +42,7 @@
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/online_softmax.cuh"
 #include "cuda/ptx/sm80.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/sm90/attention_sm90.hpp"
@@ -288,8 +289,8 @@ __global__ void __launch_bounds__(MmaConfig<kHeadDim>::kThreads, 1)
       }
 
       // Online softmax. Scale first (scale may be negative), then mask the
-      // tail; every tile holds at least one real key, so the new maximum is
-      // finite and exp2(-inf - max) = 0 handles the first tile.
+      // tail; the running maximum is finite (running_max), so exp2(-inf -
+      // max) = 0 handles the first tile.
       const std::int64_t first_key = static_cast<std::int64_t>(kv_tile) * kBlockN;
       const bool partial_tile = first_key + kBlockN > work.kv_length;
       float tile_max[2] = {-INFINITY, -INFINITY};
@@ -312,7 +313,7 @@ __global__ void __launch_bounds__(MmaConfig<kHeadDim>::kThreads, 1)
         // The four threads of a group hold the same row.
         tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(kFullWarp, tile_max[half], 1));
         tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(kFullWarp, tile_max[half], 2));
-        const float new_max = fmaxf(row_max[half], tile_max[half]);
+        const float new_max = running_max(row_max[half], tile_max[half]);
         correction[half] = ptx::exp2_approx(row_max[half] - new_max);
         row_max[half] = new_max;
         row_sum[half] *= correction[half];
@@ -488,7 +489,7 @@ __global__ void __launch_bounds__(SimtConfig<kHeadDim>::kThreads)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const float score = key_valid ? scores[r] : -INFINITY;
-        const float new_max = fmaxf(row_max[r], warp_max(score));
+        const float new_max = running_max(row_max[r], warp_max(score));
         const float correction = ptx::exp2_approx(row_max[r] - new_max);
         scores[r] = ptx::exp2_approx(score - new_max);
         row_sum[r] = row_sum[r] * correction + warp_sum(scores[r]);

@@ -160,6 +160,7 @@
 
 #include "cuda/check.cuh"
 #include "cuda/dtype.cuh"
+#include "cuda/online_softmax.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/sm80.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -835,8 +836,7 @@ struct AttentionSm90Kernel {
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // Every block holds a valid key, so the new maximum is finite.
-      const float new_max = fmaxf(registers.row_max[half], extreme[half] * scale_log2);
+      const float new_max = running_max(registers.row_max[half], extreme[half] * scale_log2);
       correction[half] = ptx::exp2_approx(registers.row_max[half] - new_max);
       registers.row_max[half] = new_max;
     }
