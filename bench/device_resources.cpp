@@ -8,6 +8,7 @@
 #include <new>
 
 #include "backend.hpp"
+#include "cpu/blas.hpp"
 #include "ikbo/error.hpp"
 #include "random.hpp"
 
@@ -113,6 +114,7 @@ std::string describe_device(Device device) {
     no_cuda_build();
 #endif
   }
+  std::string model = "unknown CPU";
   std::ifstream cpuinfo("/proc/cpuinfo");
   const std::string key = "model name";
   for (std::string line; std::getline(cpuinfo, line);) {
@@ -120,9 +122,10 @@ std::string describe_device(Device device) {
     const auto colon = line.find(':');
     if (colon == std::string::npos) break;
     const auto start = line.find_first_not_of(" \t", colon + 1);
-    if (start != std::string::npos) return line.substr(start);
+    if (start != std::string::npos) model = line.substr(start);
+    break;
   }
-  return "unknown CPU";
+  return model + "; " + detail::cpu::blas_description();
 }
 
 std::string format_bytes(std::size_t bytes) {

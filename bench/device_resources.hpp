@@ -67,7 +67,8 @@ class DeviceStream {
 std::optional<std::string> replication_blocker(Device device, std::size_t bytes,
                                                std::string_view what = "replicated tensors");
 
-// The GPU's name, or the CPU model from /proc/cpuinfo.
+// The GPU's name, or the CPU model from /proc/cpuinfo and the BLAS the CPU
+// backend runs on.
 std::string describe_device(Device device);
 
 // "1.36 GiB", for messages.

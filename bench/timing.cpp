@@ -91,7 +91,7 @@ RunSpread Timer::spread_ms(const std::function<void()>& op, int warmup, int reps
           samples.front(), samples.back()};
 }
 
-void Timer::profile(const std::function<void()>& op) const {
+void Timer::profile([[maybe_unused]] const std::function<void()>& op) const {
 #ifdef IKBO_WITH_CUDA
   if (device_.is_cuda()) {
     const auto stream = static_cast<cudaStream_t>(stream_);

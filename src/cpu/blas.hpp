@@ -33,6 +33,15 @@ inline bool blas_uses_openmp() {
   return uses_openmp;
 }
 
+// The BLAS the backend runs on, for benchmark records: OpenBLAS's build
+// configuration, its thread count and threading model.
+inline std::string blas_description() {
+  const int parallel = openblas_get_parallel();
+  const char* model = parallel == 2 ? "OpenMP" : parallel == 1 ? "pthreads" : "sequential";
+  return std::string(openblas_get_config()) + ", " +
+         std::to_string(openblas_get_num_threads()) + " threads (" + model + ")";
+}
+
 // Elementwise loops smaller than this stay on one thread: waking the team
 // costs more than it saves.
 inline constexpr std::int64_t kParallelMinElements = std::int64_t{1} << 15;
