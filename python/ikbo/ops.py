@@ -342,7 +342,8 @@ def attention(
         kv_offsets: ``None`` for dense K/V; else a :class:`~ikbo.JaggedOffsets`
             or int32 offsets ``[U + 1]`` (user u owns rows
             ``offsets[u]:offsets[u + 1]`` of k and v). A user with no rows
-            gets zeros.
+            gets zeros, as does a query row whose every key scores -inf
+            (where torch's softmax gives NaN).
         scale: softmax scale; defaults to ``1 / sqrt(D)``.
         out: optional preallocated ``[B, n_seed, H, D]``; otherwise allocated
             in ``q``'s framework on its device.

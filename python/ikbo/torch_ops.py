@@ -270,7 +270,8 @@ def attention(
 
     q ``[B, n_seed, H, D]`` (D in {64, 128, 256}); k, v dense ``[U, S, H, D]``, or
     jagged ``[total, H, D]`` with kv_offsets ``[U + 1]`` (a user without rows
-    gets zeros); scale defaults to ``1 / sqrt(D)``. Returns q's shape. Note the
+    gets zeros, as does a query row whose every key scores -inf, where torch's
+    softmax gives NaN); scale defaults to ``1 / sqrt(D)``. Returns q's shape. Note the
     layout: torch's ``scaled_dot_product_attention`` takes ``[B, H, L, D]``,
     which is ``q.transpose(1, 2)`` of this one.
     """

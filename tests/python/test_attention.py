@@ -95,3 +95,26 @@ def test_attention_workspace_is_none_on_the_cpu():
     k = np.ones((1, 4096, 1, 64), dtype=np.float32)
     candidate_map = ikbo.CandidateMap(np.zeros(3, dtype=np.int32), 1)
     assert ikbo._C.attention_workspace_bytes(q, k, k, candidate_map) == 0
+
+
+def test_keys_scoring_minus_infinity_get_no_weight():
+    """Keys of -inf against positive queries score -inf: weight 0, also where
+    they fill a user's first K/V blocks; a user whose every key scores -inf
+    gets zeros (torch's softmax would give NaN)."""
+    rng = np.random.default_rng(30)
+    lengths, heads, n_seed, head_dim = (300, 40, 7), 2, 3, 64
+    offsets = jagged_offsets(lengths)
+    q = np.abs(randn(rng, (9, n_seed, heads, head_dim), np.float32)) + 0.5
+    k = randn(rng, (int(offsets[-1]), heads, head_dim), np.float32)
+    v = randn(rng, (int(offsets[-1]), heads, head_dim), np.float32)
+    k[:200] = -np.inf  # user 0's first 200 keys
+    k[offsets[1] : offsets[2]] = -np.inf  # all of user 1's
+    k[offsets[2] + 3] = -np.inf  # one of user 2's
+    cand_to_user = random_mapping(rng, 9, 3, False)
+    out = np.full_like(q, np.nan)
+    ikbo.attention(q, k, v, cand_to_user, kv_offsets=offsets, out=out)
+    scored = cand_to_user != 1
+    assert not scored.all(), "the mapping must give user 1 candidates"
+    expected = attention_reference(q[scored], k, v, cand_to_user[scored], offsets)
+    assert_close(out[scored], expected, "float32")
+    assert not out[~scored].any(), "a user whose keys all score -inf must give zeros"
