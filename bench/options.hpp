@@ -2,15 +2,20 @@
 //
 //   ikbo-bench [lce|attention|linear|all] [--device cpu|cuda[:N]] [--dtype f16|bf16|f32]
 //              [--B list] [--ratio list] [--M n] [--N n] [--Ku n] [--Kc n]
-//              [--S list] [--H n] [--n-seed n] [--D n] [--jagged] [--unsorted]
-//              [--reps n] [--warmup n] [--settle-ms n] [--json FILE] [--quick]
+//              [--S list] [--H n] [--n-seed n] [--D n] [--jagged] [--q-scale n]
+//              [--unsorted] [--reps n] [--warmup n] [--settle-ms n] [--json FILE]
+//              [--variants list] [--profile] [--quick]
 //
 // Lists are comma separated. Explicit --B, --ratio and --S lists are crossed
-// with each other; a list not given takes the suite's reference value. With
-// neither --B nor --ratio, the LCE suite runs both SPEC sweeps (B at ratio 70,
-// then ratio at the sweep's B), and the linear suite (N_out = 512, Ku = 256,
-// Kc = 3976: the example model's first MLP layer) B in {512, 1024, 2048,
-// 3072} at ratio 70 and B = 1024 at ratio 2. Defaults depend on the device
+// with each other. Attention takes the reference B and ratio where those
+// lists are not given, and its S sweep where --S is not. The LCE and linear
+// suites take the reference value for the one of --B and --ratio not given
+// when the other is; with neither (--S alone included), the LCE suite runs
+// both SPEC sweeps (B at ratio 70, then ratio at the sweep's B), and the
+// linear suite (N_out = 512, Ku = 256, Kc = 3976: the example model's first
+// MLP layer) B in {512, 1024, 2048, 3072} at ratio 70 and B = 1024 at
+// ratio 2. SPEC is the project's specification (../shared/SPEC.md beside the
+// checkout, not in this repository). Defaults depend on the device
 // (GPU: the SPEC reference shapes in fp16; CPU: a scaled-down fp32 set that
 // finishes in under a minute on 2 cores); --quick keeps one shape per suite
 // and fewer reps, a smoke run. Options given explicitly always win.

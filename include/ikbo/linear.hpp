@@ -70,7 +70,8 @@ std::size_t linear_workspace_bytes(const LinearPlan& plan, std::int64_t num_cand
 
 // Validates every argument (ikbo::Error, nothing written, on any mismatch),
 // then computes out. On CUDA the call is asynchronous on `stream`, allocates
-// nothing and never synchronizes.
+// nothing and never synchronizes (except the device's first call on the
+// cuBLAS path, which creates its cuBLAS handle; see Workspace).
 void linear(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u, const CandidateMap& map,
             const Tensor& out, Stream stream = nullptr, Workspace workspace = {});
 

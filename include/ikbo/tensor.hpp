@@ -37,7 +37,9 @@ std::string device_name(Device device);
 
 // Caller-owned scratch memory on the op's device, 256-byte aligned (as
 // cudaMalloc and framework allocators return it). Ops never allocate device
-// memory or synchronize, so a call can be captured in a CUDA graph. One
+// memory or synchronize, except that the first call on a device that reaches
+// cuBLAS creates that device's cuBLAS handle, which allocates: a call can be
+// captured in a CUDA graph after one warm-up call on its device. One
 // workspace must not be used by two ops running concurrently.
 struct Workspace {
   void* data = nullptr;

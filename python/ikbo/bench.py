@@ -31,8 +31,11 @@ Suites and variants (each variant's ``timed`` text says what one timed run cover
 
 On the CPU the defaults are scaled down to finish in well under a minute on
 two cores (the linear suite in a few seconds). ``--B``, ``--ratio`` and
-``--S`` lists replace the sweeps and are crossed with each other; a list not
-given takes the suite's reference value.
+``--S`` lists are crossed with each other. lce and linear run their default
+sweeps unless ``--B`` or ``--ratio`` is given (``--S`` alone leaves them);
+given one of the two, the other takes the suite's reference value.
+attention takes the reference B and ratio where those lists are not given,
+and its S sweep where ``--S`` is not.
 
 Method: every variant's output is checked against that of the shape's first
 measured variant (relative Frobenius error within a dtype tolerance) before
@@ -61,8 +64,9 @@ useful work, the same for every variant so TFLOP/s compare directly:
 
 Output: tables on stdout (progress on stderr); ``--plot DIR`` draws PNGs with
 matplotlib (skipped, with the reason printed, when it is missing); ``--json
-FILE`` writes the record format of ``shared/DESIGN.md``. The timer, request
-generator and record writer are public for other scripts
+FILE`` writes the record format of the project's design document
+(``../shared/DESIGN.md`` beside the checkout, not in this repository). The
+timer, request generator and record writer are public for other scripts
 (``examples/ranking_model/run.py`` uses them).
 """
 
@@ -517,7 +521,8 @@ def write_json(
     ceilings: dict | None = None,
     not_measured: Sequence[dict] = (),
 ) -> None:
-    """Writes the record document of ``shared/DESIGN.md`` to ``path``."""
+    """Writes the record document of the project's ``../shared/DESIGN.md``
+    (beside the checkout) to ``path``."""
     document = {
         "device": device_name(device),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

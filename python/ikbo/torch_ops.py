@@ -40,14 +40,17 @@ synchronization on CUDA: make the index tensor outside inference mode
 CUDA graphs
 -----------
 The ops allocate only through torch's allocator on the current stream and
-never synchronize once their state is cached, so they can be captured in a
-CUDA graph after one warm-up call (or :func:`candidate_map` on the index
-tensor) has built the map: building state inside a capture raises. A captured
-graph bakes in that request's map, so replay it only for the same mapping.
-For that reason the ops carry ``torch.Tag.cudagraph_unsafe``: the automatic
+never synchronize once their state is cached (the first call on a device
+that reaches cuBLAS also creates that device's cuBLAS handle, which
+allocates), so they can be captured in a CUDA graph after one warm-up call
+(or :func:`candidate_map` on the index tensor) has built the map: building
+state inside a capture raises. A captured graph bakes in that request's
+map, so replay it only for the same mapping. For that reason the ops carry
+``torch.Tag.cudagraph_unsafe`` where the installed torch has it (2.9 and
+later; with an older torch they are registered without it): the automatic
 CUDA graphs of ``torch.compile(mode="reduce-overhead")``, which replay with
-new inputs copied in, run them outside the graph instead of reusing a stale
-map.
+new inputs copied in, then run them outside the graph instead of reusing a
+stale map.
 """
 
 from __future__ import annotations
