@@ -23,6 +23,8 @@ namespace {
 const std::vector<AttentionCase>& attention_cases() {
   static const std::vector<AttentionCase> cases = {
       {"dense_seed1_s1_h1_d64", 4, 2, 1, 1, 64, 1, {}, MapOrder::sorted, std::nullopt},
+      // Dense K/V of no keys: every candidate gets zeros.
+      {"dense_seed3_s0_h2_d64_no_keys", 5, 2, 3, 2, 64, 0, {}, MapOrder::unsorted, std::nullopt},
       {"dense_seed37_s500_h2_d128_unsorted",
        5,
        2,

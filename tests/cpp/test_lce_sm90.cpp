@@ -203,6 +203,7 @@ TEST_P(LceSm90VsReference, MatchesFp64ReferenceAndCublasErrorAndRepeatsBitwise) 
     cublas = problem.run();
   }
   EXPECT_TRUE(matches_reference(hopper, expected, dtype()));
+  EXPECT_TRUE(matches_reference(cublas, expected, dtype())) << "the cuBLAS path, the bar below";
   EXPECT_TRUE(exactly_equal(hopper_again, hopper)) << "two runs on identical inputs differ";
   // Both paths accumulate in fp32 and round once; they differ only in the
   // fp32 summation order, far below an output ulp, hence the 5% margin.

@@ -192,10 +192,17 @@ TEST_P(LinearVsReference, BroadcastBaselineMatchesFp64Reference) {
     expected_x_full.insert(expected_x_full.end(), candidate_row, candidate_row + kc);
   }
   EXPECT_TRUE(exactly_equal(x_full.values(), expected_x_full));
-  if (!device().is_cuda()) return;  // linear_concat is a cuBLASLt call
 
   const DeviceTensor weight(device(), inputs.concatenated_weight());
   const auto out = DeviceTensor::poisoned(device(), dtype(), {num_candidates, out_features});
+  if (!device().is_cuda()) {  // linear_concat is a cuBLASLt call: refused, out untouched
+    EXPECT_TRUE(throws_invalid_argument(
+        [&] {
+          baseline::linear_concat(weight.view(), nullptr, x_full.view(), out.view(), nullptr, {});
+        },
+        {"linear_concat", "CUDA only", "cpu"}, {&out.buffer()}));
+    return;
+  }
   const DeviceBuffer workspace(device(), baseline::linear_concat_workspace_bytes(weight.view()));
   auto concat = [&](const Tensor* bias) {
     baseline::linear_concat(weight.view(), bias, x_full.view(), out.view(), nullptr,

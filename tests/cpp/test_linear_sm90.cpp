@@ -67,11 +67,17 @@ std::vector<std::string> sm90_tiles() {
 }
 
 // Sets the path switch and the forced tile (-1: chosen from the shapes) for
-// a scope.
+// a scope, and restores the previous ones after it.
 class Sm90Settings {
  public:
-  Sm90Settings(bool enabled, int forced_tile) { set(enabled, forced_tile); }
-  ~Sm90Settings() { set(true, -1); }
+  Sm90Settings(bool enabled, int forced_tile) {
+#ifdef IKBO_WITH_CUDA
+    previous_enabled_ = detail::cuda::linear_sm90_enabled();
+    previous_forced_tile_ = detail::cuda::linear_sm90_forced_tile();
+#endif
+    set(enabled, forced_tile);
+  }
+  ~Sm90Settings() { set(previous_enabled_, previous_forced_tile_); }
   Sm90Settings(const Sm90Settings&) = delete;
   Sm90Settings& operator=(const Sm90Settings&) = delete;
 
@@ -85,6 +91,9 @@ class Sm90Settings {
     static_cast<void>(forced_tile);
 #endif
   }
+
+  bool previous_enabled_ = true;
+  int previous_forced_tile_ = -1;
 };
 
 struct Shape {
@@ -200,6 +209,8 @@ const std::vector<Sm90Case>& sm90_cases() {
       {"b433_kc872_empty_users", {200, 40, 872, 433, 7}, MapOrder::uneven_unsorted, true},
       {"user_per_candidate_no_bias", {130, 24, 256, 300, 300}, MapOrder::unsorted, false},
       {"one_user", {64, 8, 512, 129, 1}, MapOrder::sorted, true},
+      {"one_candidate", {64, 8, 512, 1, 1}, MapOrder::sorted, true},
+      {"one_output_feature", {1, 16, 256, 70, 9}, MapOrder::unsorted, true},
       {"odd_n_out", {77, 16, 576, 70, 9}, MapOrder::uneven, true},
       {"kc8", {256, 8, 8, 200, 13}, MapOrder::uneven_unsorted, true},
       {"model_widths", {512, 256, 3976, 256, 4}, MapOrder::unsorted, true},

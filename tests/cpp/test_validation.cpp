@@ -395,6 +395,7 @@ class AttentionValidation : public DeviceTest {
   const AttentionOperands& operands() const { return *operands_; }
   AttentionCall dense() const { return AttentionCall(*operands_, false); }
   AttentionCall jagged() const { return AttentionCall(*operands_, true); }
+  void restore_out(std::span<const std::byte> bytes) { operands_->out.buffer().upload(bytes); }
 
  private:
   std::optional<AttentionOperands> operands_;
@@ -402,7 +403,10 @@ class AttentionValidation : public DeviceTest {
 
 TEST_P(AttentionValidation, ValidCallsSucceedAndWriteTheOutput) {
   // Constant V: every output element is 3 whatever the softmax weights.
+  // Each call starts from out's -7s, so it must write every element itself.
+  const std::vector<std::byte> unwritten = operands().out.bytes();
   for (const AttentionCall& valid : {dense(), jagged()}) {
+    restore_out(unwritten);
     ASSERT_NO_THROW(valid());
     for (double value : operands().out.values()) ASSERT_EQ(value, 3.0);
   }

@@ -71,9 +71,14 @@ def lce_inputs(dtype, m, ku, kc, n, num_candidates, num_users, seed):
 def test_lce_reference_shape(dtype_name):
     # The published reference: M=433, N=256, Ku=1178, Kc=866, B=1024, U=15.
     inputs = lce_inputs(TORCH_DTYPES[dtype_name], 433, 1178, 866, 256, 1024, 15, seed=1)
+    # Into a NaN-poisoned out: an element left unwritten fails the check (an
+    # allocated out could hold the caching allocator's stale, finite values).
+    poisoned = torch.full((1024, 433, 256), float("nan"), dtype=inputs[0].dtype, device=DEVICE)
+    assert ikbo.lce(*inputs, out=poisoned) is poisoned
+    assert_close_cuda(poisoned, lce_reference_cuda(*inputs), dtype_name)
     out = ikbo.lce(*inputs)
     assert out.device == DEVICE and out.dtype == TORCH_DTYPES[dtype_name]
-    assert_close_cuda(out, lce_reference_cuda(*inputs), dtype_name)
+    assert torch.equal(out, poisoned), "an allocated out must get the same bits"
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
@@ -153,9 +158,12 @@ def test_dense_attention(dtype_name, head_dim):
     q = randn(generator, (int(counts.sum()), 64, 2, head_dim), dtype)
     k = randn(generator, (num_users, seq_len, 2, head_dim), dtype)
     v = randn(generator, (num_users, seq_len, 2, head_dim), dtype)
+    poisoned = torch.full_like(q, float("nan"))
+    assert ikbo.attention(q, k, v, cand_to_user, out=poisoned) is poisoned
+    assert_close_cuda(poisoned, attention_reference_cuda(q, k, v, cand_to_user), dtype_name)
     out = ikbo.attention(q, k, v, cand_to_user)
     assert out.device == DEVICE and out.dtype == dtype
-    assert_close_cuda(out, attention_reference_cuda(q, k, v, cand_to_user), dtype_name)
+    assert torch.equal(out, poisoned), "an allocated out must get the same bits"
 
 
 @pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
@@ -197,7 +205,8 @@ def test_attention_of_few_query_tiles_splits_keys_on_hopper(jagged):
     workspace_bytes = ikbo._C.attention_workspace_bytes(q, k, v, candidate_map, state)
     if torch.cuda.get_device_capability(DEVICE) == (9, 0):
         assert workspace_bytes > 0, "a call of few query tiles must split its keys on Hopper"
-    out = ikbo.attention(q, k, v, candidate_map, kv_offsets=state)
+    out = torch.full_like(q, float("nan"))
+    ikbo.attention(q, k, v, candidate_map, kv_offsets=state, out=out)
     again = ikbo.attention(q, k, v, candidate_map, kv_offsets=state)
     expected = attention_reference_cuda(
         q, k, v, cand_to_user, offsets.tolist() if jagged else None
@@ -217,17 +226,22 @@ def test_candidate_map_on_cuda():
 
 
 def test_runs_on_the_current_stream():
+    """ikbo launches on torch's current stream: queued on a side stream behind
+    a GPU sleep, the output is still unwritten when the default stream reads
+    it, and right once the side stream has run."""
     inputs = lce_inputs(torch.float16, 64, 96, 80, 32, 256, 4, seed=5)
     plan = ikbo.LcePlan(inputs[0], inputs[1])
     candidate_map = ikbo.CandidateMap(inputs[4], 4)
     expected = lce_reference_cuda(*inputs)
+    out = torch.full(expected.shape, float("nan"), dtype=torch.float16, device=DEVICE)
     side_stream = torch.cuda.Stream()
     side_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side_stream):
-        outputs = [ikbo.lce(plan, None, inputs[2], inputs[3], candidate_map) for _ in range(3)]
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles
+        ikbo.lce(plan, None, inputs[2], inputs[3], candidate_map, out=out)
+    assert out.isnan().all().item(), "ikbo ran before the side stream's sleep ended"
     torch.cuda.current_stream().wait_stream(side_stream)
-    for out in outputs:
-        assert_close_cuda(out, expected, "float16")
+    assert_close_cuda(out, expected, "float16")
 
 
 def test_device_mismatches_leave_out_untouched():
@@ -288,8 +302,9 @@ def test_cuda_graph_capture_and_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    e_c.copy_(torch.randn_like(e_c))
-    q.copy_(torch.randn_like(q))
+    generator = torch.Generator(device=DEVICE).manual_seed(7)
+    e_c.copy_(randn(generator, e_c.shape, e_c.dtype))
+    q.copy_(randn(generator, q.shape, q.dtype))
     lce_out.fill_(float("nan"))
     attention_out.fill_(float("nan"))
     graph.replay()

@@ -261,7 +261,7 @@ def test_dtype_errors_list_what_the_argument_takes(lce_inputs, attention_inputs)
 
 
 def test_numpy_bfloat16_is_refused_with_a_message(attention_inputs):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed")
     q, k, v, cand_to_user, out = attention_inputs
     with pytest.raises(
         ValueError,

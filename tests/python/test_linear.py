@@ -238,7 +238,7 @@ def test_scalar_user_features_are_named(small_inputs, state):
 def test_linear_matches_torch_functional_linear(device, dtype_name):
     """torch tensors (bfloat16 included, on the GPU where there is one) against
     torch.nn.functional.linear over the concatenated, replicated features."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not importable")
     if device == "cuda" and not (ikbo.cuda_device_count() > 0 and torch.cuda.is_available()):
         pytest.skip("no CUDA device for ikbo and torch")
     dtype = getattr(torch, dtype_name)

@@ -540,6 +540,8 @@ void set_linear_sm90_forced_tile(int index) {
   forced_tile().store(index >= 0 && index < static_cast<int>(kTiles.size()) ? index : -1);
 }
 
+int linear_sm90_forced_tile() { return forced_tile().load(); }
+
 void linear_sm90(const LinearArgs& args, const LinearSm90Workspace& workspace) {
   const LinearPlan::State& plan = *args.plan;
   DeviceGuard guard(plan.device.index);

@@ -59,6 +59,7 @@ LinearSm90Tile linear_sm90_tile(const LinearPlan::State& plan, std::int64_t num_
 // the shape-based choice (the default, unless the environment sets
 // IKBO_LINEAR_SM90_TILE to an index).
 void set_linear_sm90_forced_tile(int index);
+int linear_sm90_forced_tile();
 
 // Scratch of one call, in the caller's workspace.
 struct LinearSm90Workspace {
