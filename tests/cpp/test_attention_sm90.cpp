@@ -150,8 +150,9 @@ std::vector<std::int64_t> scattered_lengths(std::int64_t num_users) {
 }
 
 const std::vector<AttentionCase>& sm90_cases() {
-  // Uneven maps give users 1, 4, ... no candidates; empty histories sit on
-  // other users, so that their candidates' zeros are checked.
+  // Uneven maps give users 1, 4, ... no candidates (and user 0 few): the
+  // empty histories and the long ones sit on users 2 and 3, so that their
+  // candidates are checked.
   static const std::vector<AttentionCase> cases = {
       {"seed1_d64_h1_s1", 5, 3, 1, 1, 64, 1, {}, MapOrder::unsorted, std::nullopt},
       {"one_candidate_one_user_seed37_d128_h2_s300", 1, 1, 37, 2, 128, 300, {}, MapOrder::sorted,
@@ -187,10 +188,10 @@ const std::vector<AttentionCase>& sm90_cases() {
       // [-2, 2)): later blocks often exceed the running maxima, so P grows
       // up to the lazy rescaling's limit before O is rescaled.
       {"seed64_d128_h2_s1000_scale_0p5", 7, 3, 64, 2, 128, 1000, {}, MapOrder::unsorted, 0.5f},
-      {"jagged_seed37_d128_h2_scale_0p5", 9, 4, 37, 2, 128, 0, {700, 129, 0, 1000},
+      {"jagged_seed37_d128_h2_scale_0p5", 9, 4, 37, 2, 128, 0, {700, 1000, 129, 0},
        MapOrder::uneven_unsorted, 0.5f},
       {"seed1_d128_h2_s127_zero_scale", 4, 2, 1, 2, 128, 127, {}, MapOrder::unsorted, 0.0f},
-      {"jagged_seed37_d64_h2", 11, 5, 37, 2, 64, 0, {300, 127, 0, 1, 640},
+      {"jagged_seed37_d64_h2", 11, 5, 37, 2, 64, 0, {300, 127, 640, 0, 1},
        MapOrder::uneven_unsorted, std::nullopt},
       {"jagged_seed64_d128_h1", 9, 4, 64, 1, 128, 0, {2048, 0, 129, 500}, MapOrder::unsorted,
        std::nullopt},
@@ -206,7 +207,7 @@ const std::vector<AttentionCase>& sm90_cases() {
        std::nullopt},
       {"seed64_d256_h1_s500_negative_scale", 7, 3, 64, 1, 256, 500, {}, MapOrder::unsorted,
        -0.05f},
-      {"jagged_seed37_d256_h2", 9, 4, 37, 2, 256, 0, {300, 65, 0, 1}, MapOrder::uneven_unsorted,
+      {"jagged_seed37_d256_h2", 9, 4, 37, 2, 256, 0, {300, 1, 65, 0}, MapOrder::uneven_unsorted,
        std::nullopt},
       {"many_units_seed37_d256_h6_s130", 200, 3, 37, 6, 256, 130, {}, MapOrder::unsorted,
        std::nullopt},
