@@ -1,5 +1,5 @@
-// CUDA execution properties of the ops, for lce and attention (dense and
-// jagged): bitwise-identical results across runs, all work ordered on the
+// CUDA execution properties of the ops, for lce and attention (dense,
+// jagged, and with its keys split across CTAs): bitwise-identical results across runs, all work ordered on the
 // stream argument with no synchronization inside the call, and capture into
 // a CUDA graph (which fails on any allocation or synchronization inside),
 // launched three times in a row.
@@ -75,6 +75,33 @@ CudaOp make_attention_op(SeededRng& rng, DType dtype, bool jagged) {
       }};
 }
 
+// Few query tiles (one user, 4 candidates x 64 seeds, 2 heads) over 4096
+// keys, with the workspace attention_workspace_bytes asks for: on Hopper GPUs
+// the keys split across CTAs, and a second launch combines the partials.
+CudaOp make_split_keys_attention_op(SeededRng& rng, DType dtype) {
+  const std::int64_t num_candidates = 4, num_users = 1, n_seed = 64, heads = 2, head_dim = 128,
+                     seq_len = 4096;
+  struct Inputs {
+    DeviceTensor q, k, v;
+    CandidateMap map;
+    DeviceBuffer workspace;
+  };
+  const std::vector<std::int32_t> cand_to_user(num_candidates, 0);
+  DeviceTensor q(kCuda, rng.tensor(dtype, {num_candidates, n_seed, heads, head_dim}, -2.0, 2.0));
+  DeviceTensor k(kCuda, rng.tensor(dtype, {num_users, seq_len, heads, head_dim}));
+  DeviceTensor v(kCuda, rng.tensor(dtype, {num_users, seq_len, heads, head_dim}));
+  auto map = CandidateMap::build(cand_to_user.data(), num_candidates, num_users, kCuda);
+  DeviceBuffer workspace(kCuda, attention_workspace_bytes(q.view(), k.view(), v.view(), map));
+  auto inputs = std::make_shared<Inputs>(Inputs{std::move(q), std::move(k), std::move(v),
+                                                std::move(map), std::move(workspace)});
+  return {dtype, {num_candidates, n_seed, heads, head_dim},
+          [inputs](Stream stream, const Tensor& out) {
+            attention(inputs->q.view(), inputs->k.view(), inputs->v.view(), inputs->map, out,
+                      nullptr, std::nullopt, stream,
+                      {inputs->workspace.data(), inputs->workspace.bytes()});
+          }};
+}
+
 struct CudaOpFactory {
   const char* name;
   std::function<CudaOp(SeededRng&)> make;
@@ -95,6 +122,8 @@ const std::vector<CudaOpFactory>& cuda_ops() {
        [](SeededRng& rng) { return make_attention_op(rng, DType::f16, true); }},
       {"attention_jagged_bf16",
        [](SeededRng& rng) { return make_attention_op(rng, DType::bf16, true); }},
+      {"attention_split_keys_f16",
+       [](SeededRng& rng) { return make_split_keys_attention_op(rng, DType::f16); }},
   };
   return ops;
 }

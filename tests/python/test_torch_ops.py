@@ -314,6 +314,32 @@ def test_torch_export_keeps_the_ops():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_users_without_candidates_and_empty_batches(device):
+    """Every op with a user that no candidate maps to, and with B = 0."""
+    generator = torch.Generator().manual_seed(17)
+    w_c, w_u, e_c, e_u, _ = lce_inputs(generator, torch.float32, device)
+    starved = torch.tensor([2, 0, 0, 2, 0, 2, 0], dtype=torch.int32, device=device)  # not user 1
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, starved)
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, starved.cpu()), "float32")
+    assert torch.ops.ikbo.lce(w_c, w_u, e_c[:0], e_u, starved[:0]).shape == (0, 11, 5)
+
+    q = randn(generator, (7, 3, 2, 64), device=device)
+    k = randn(generator, (3, 10, 2, 64), device=device)
+    v = randn(generator, (3, 10, 2, 64), device=device)
+    out = torch.ops.ikbo.attention(q, k, v, starved)
+    assert_close(out, attention_reference(q, k, v, starved.cpu()), "float32")
+    assert torch.ops.ikbo.attention(q[:0], k, v, starved[:0]).shape == (0, 3, 2, 64)
+
+    weight = randn(generator, (6, 4 + 5), device=device)
+    x_c, x_u = randn(generator, (7, 5), device=device), randn(generator, (3, 4), device=device)
+    out = torch.ops.ikbo.linear(weight[:, 4:], weight[:, :4], x_c, x_u, starved)
+    expected = linear_reference(weight[:, 4:], weight[:, :4], x_c, x_u, starved)
+    assert_close(out, expected, "float32")
+    empty = torch.ops.ikbo.linear(weight[:, 4:], weight[:, :4], x_c[:0], x_u, starved[:0])
+    assert empty.shape == (0, 6)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
 def test_cuda_ops_match_references(dtype_name):
