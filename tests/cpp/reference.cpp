@@ -249,6 +249,19 @@ testing::AssertionResult matches_reference(std::span<const double> actual,
   if (auto written = fully_written(actual); !written) return written;
   const double error = relative_frobenius_error(actual, expected);
   const double tolerance = relative_tolerance(dtype);
+  double squares = 0.0;
+  for (const double value : expected) squares += value * value;
+  const double rms =
+      expected.empty() ? 0.0 : std::sqrt(squares / static_cast<double>(expected.size()));
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    const double bound = tolerance * (std::abs(expected[i]) + 8.0 * rms);
+    if (!(std::abs(actual[i] - expected[i]) <= bound)) {
+      return testing::AssertionFailure()
+             << "element " << i << " is " << actual[i] << ", expected " << expected[i]
+             << " within " << bound << " (" << dtype_name(dtype) << "; relative Frobenius error "
+             << error << " vs tolerance " << tolerance << ")";
+    }
+  }
   auto result = error <= tolerance ? testing::AssertionSuccess() : testing::AssertionFailure();
   return result << "relative Frobenius error " << error << " vs tolerance " << tolerance << " ("
                 << dtype_name(dtype) << ")";

@@ -94,8 +94,13 @@ testing::AssertionResult fully_written(std::span<const double> values);
 // Success when both hold the same values; otherwise reports the first difference.
 testing::AssertionResult exactly_equal(std::span<const double> actual,
                                        std::span<const double> expected);
-// Success when `actual` is fully written and within relative_tolerance(dtype)
-// of `expected`; the message reports the error either way.
+// Success when `actual` is fully written, within relative_tolerance(dtype)
+// t of `expected` in the relative Frobenius norm, and every element within
+// t * (|expected| + 8 * rms(expected)) of its own: the norm alone would pass
+// a few wrong elements (a tile, a row) among many right ones. Rounding
+// errors are at most 2^-11 |e| (f16) and 2^-8 |e| (bf16), well inside
+// t |e|; the floor admits the accumulation's absolute error, which the
+// norm already bounds by t * rms. The message reports the error either way.
 testing::AssertionResult matches_reference(std::span<const double> actual,
                                            std::span<const double> expected, DType dtype);
 
