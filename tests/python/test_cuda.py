@@ -260,22 +260,23 @@ def test_device_mismatches_leave_out_untouched():
     plan = ikbo.LcePlan(w_c, w_u)
     candidate_map = ikbo.CandidateMap(cand_to_user, 2)
     needed = ikbo._C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
-    if needed:
-        too_small = torch.empty(needed - 1, dtype=torch.uint8, device=DEVICE)
-        with pytest.raises(ValueError, match=f"workspace must hold {needed} bytes"):
-            ikbo._C.lce(
-                plan,
-                e_c,
-                e_u,
-                candidate_map,
-                out,
-                torch.cuda.current_stream().cuda_stream,
-                too_small,
-            )
-        with pytest.raises(ValueError, match="workspace must be on cuda:0 like the plan, got cpu"):
-            ikbo._C.lce(
-                plan, e_c, e_u, candidate_map, out, 0, torch.empty(needed, dtype=torch.uint8)
-            )
+    # Every CUDA LCE call asks for one: the cuBLAS path's scratch at least.
+    assert needed > 0
+    too_small = torch.empty(needed - 1, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match=f"workspace must hold {needed} bytes"):
+        ikbo._C.lce(
+            plan,
+            e_c,
+            e_u,
+            candidate_map,
+            out,
+            torch.cuda.current_stream().cuda_stream,
+            too_small,
+        )
+    with pytest.raises(ValueError, match="workspace must be on cuda:0 like the plan, got cpu"):
+        ikbo._C.lce(
+            plan, e_c, e_u, candidate_map, out, 0, torch.empty(needed, dtype=torch.uint8)
+        )
     assert (out == 7.0).all()
 
 
