@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ikbo
-from reference import TOLERANCE, assert_close, jagged_offsets, lce_reference
+from reference import TOLERANCE, assert_close, element_bound, jagged_offsets, lce_reference
 
 try:
     import torch
@@ -50,9 +50,10 @@ def assert_close_cuda(actual, expected, dtype_name):
     error = (
         torch.linalg.vector_norm(values - expected) / torch.linalg.vector_norm(expected)
     ).item()
-    assert error <= TOLERANCE[dtype_name], (
-        f"relative Frobenius error {error:.3g} > {TOLERANCE[dtype_name]}"
-    )
+    tolerance = TOLERANCE[dtype_name]
+    assert error <= tolerance, f"relative Frobenius error {error:.3g} > {tolerance}"
+    outside = (values - expected).abs() > element_bound(expected, tolerance)
+    assert not outside.any(), f"{int(outside.sum())} elements outside t * (|e| + 8 rms)"
 
 
 def lce_inputs(dtype, m, ku, kc, n, num_candidates, num_users, seed):
