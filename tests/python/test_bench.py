@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip(
     "torch", reason="torch is not importable; the Python bench compares against PyTorch"
 )
-import ikbo.bench as bench  # noqa: E402  (after torch's check; a failing import must fail)
+from ikbo import bench  # after torch's check; a failing import must fail
 
 TINY_ARGUMENTS = [
     "--device", "cpu", "--B", "16,24", "--ratio", "4", "--S", "32,48",

@@ -209,9 +209,7 @@ def test_attention_of_few_query_tiles_splits_keys_on_hopper(jagged):
     out = torch.full_like(q, float("nan"))
     ikbo.attention(q, k, v, candidate_map, kv_offsets=state, out=out)
     again = ikbo.attention(q, k, v, candidate_map, kv_offsets=state)
-    expected = attention_reference_cuda(
-        q, k, v, cand_to_user, offsets.tolist() if jagged else None
-    )
+    expected = attention_reference_cuda(q, k, v, cand_to_user, offsets.tolist() if jagged else None)
     assert_close_cuda(out, expected, "float16")
     assert torch.equal(out, again), "two runs on identical inputs differ"
 
@@ -275,9 +273,7 @@ def test_device_mismatches_leave_out_untouched():
             too_small,
         )
     with pytest.raises(ValueError, match="workspace must be on cuda:0 like the plan, got cpu"):
-        ikbo._C.lce(
-            plan, e_c, e_u, candidate_map, out, 0, torch.empty(needed, dtype=torch.uint8)
-        )
+        ikbo._C.lce(plan, e_c, e_u, candidate_map, out, 0, torch.empty(needed, dtype=torch.uint8))
     assert (out == 7.0).all()
 
 

@@ -15,16 +15,15 @@ torch = pytest.importorskip(
 )
 # ikbo's own modules and the example's are imported plainly: one that fails
 # to import must fail these tests, not skip them.
-import ikbo  # noqa: E402
-import ikbo.bench as bench  # noqa: E402
-import ikbo.rewrite as rewrite  # noqa: E402
+import ikbo
+from ikbo import bench, rewrite
 
 F = torch.nn.functional
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ranking_model"
 sys.path.insert(0, str(EXAMPLE))
-import model as model_module  # noqa: E402
-import run as run_module  # noqa: E402
+import model as model_module
+import run as run_module
 
 TINY = model_module.RankingConfig(
     compressed_embeddings=9,

@@ -70,7 +70,9 @@ def test_workspace_bytes_from_sizes_match_and_are_checked():
     assert ikbo._C.lce_workspace_bytes(
         plan, n, num_candidates, e_u.shape[0]
     ) == ikbo._C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
-    with pytest.raises(ValueError, match=r"n \(N, dimension 2 of e_c\) must be in \[1, 2147483647\], got 0"):
+    with pytest.raises(
+        ValueError, match=r"n \(N, dimension 2 of e_c\) must be in \[1, 2147483647\], got 0"
+    ):
         ikbo._C.lce_workspace_bytes(plan, 0, num_candidates, e_u.shape[0])
 
 

@@ -200,7 +200,9 @@ def test_workspace_bytes_from_sizes_match_and_are_checked(small_inputs):
     mapping = ikbo.CandidateMap(cand_to_user, x_u.shape[0])
     from_inputs = ikbo._C.linear_workspace_bytes(plan, x_c, x_u, mapping)
     assert ikbo._C.linear_workspace_bytes(plan, x_c.shape[0], x_u.shape[0]) == from_inputs
-    with pytest.raises(ValueError, match=re.escape("num_users (U) must be in [1, 2147483647], got 0")):
+    with pytest.raises(
+        ValueError, match=re.escape("num_users (U) must be in [1, 2147483647], got 0")
+    ):
         ikbo._C.linear_workspace_bytes(plan, x_c.shape[0], 0)
 
 

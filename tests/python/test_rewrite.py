@@ -7,8 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not importable; the rewrite pass needs it")
 # After torch's check; a failing import of ikbo's own modules must fail.
-import ikbo.rewrite as rewrite  # noqa: E402
-import ikbo.torch_ops as torch_ops  # noqa: E402
+from ikbo import rewrite, torch_ops
 
 F = torch.nn.functional
 

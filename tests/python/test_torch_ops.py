@@ -14,7 +14,7 @@ from reference import assert_close, attention_reference, jagged_offsets, lce_ref
 torch = pytest.importorskip(
     "torch", reason="torch is not importable; the torch.library op tests need it"
 )
-import ikbo.torch_ops as torch_ops  # noqa: E402  (after torch's check; a failing import must fail)
+from ikbo import torch_ops  # after torch's check; a failing import must fail
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CUDA = torch.cuda.is_available() and ikbo.built_with_cuda() and ikbo.cuda_device_count() > 0
