@@ -97,14 +97,17 @@ def _user_feature_count(weight: Array, x_c: Array, x_u_shape: tuple[int, ...]) -
     reported against x_c or num_user_features."""
     weight_shape, x_c_shape = tuple(weight.shape), tuple(x_c.shape)
     # Other ranks are the library's to report.
-    if len(weight_shape) == 2 and len(x_c_shape) == 2:
-        if x_u_shape[1] + x_c_shape[1] != weight_shape[1]:
-            raise ValueError(
-                f"x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be {weight_shape[1]}, "
-                f"the columns of weight [N_out, Ku + Kc] (shape {list(weight_shape)}), "
-                f"got {x_u_shape[1]} + {x_c_shape[1]} "
-                f"(x_u shape {list(x_u_shape)}, x_c shape {list(x_c_shape)})"
-            )
+    if (
+        len(weight_shape) == 2
+        and len(x_c_shape) == 2
+        and x_u_shape[1] + x_c_shape[1] != weight_shape[1]
+    ):
+        raise ValueError(
+            f"x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be {weight_shape[1]}, "
+            f"the columns of weight [N_out, Ku + Kc] (shape {list(weight_shape)}), "
+            f"got {x_u_shape[1]} + {x_c_shape[1]} "
+            f"(x_u shape {list(x_u_shape)}, x_c shape {list(x_c_shape)})"
+        )
     return x_u_shape[1]
 
 

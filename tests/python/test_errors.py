@@ -56,8 +56,10 @@ def test_out_of_range_mapping_message(lce_inputs):
         ),
         (
             lambda a: a.update(e_u=a["e_u"].astype(np.float64)),
-            "e_u has dtype float64, which ikbo does not take: e_u must be float16, bfloat16 "
-            "or float32",
+            (
+                "e_u has dtype float64, which ikbo does not take: e_u must be float16, bfloat16 "
+                "or float32"
+            ),
         ),
         (
             lambda a: a.update(e_c=a["e_c"][:, :4].copy()),

@@ -126,8 +126,10 @@ def expect_untouched(out):
         ),
         (
             lambda a: a.update(x_c=a["x_c"][:, :4].copy()),
-            "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9, the columns of weight "
-            "[N_out, Ku + Kc] (shape [6, 9]), got 4 + 4 (x_u shape [2, 4], x_c shape [3, 4])",
+            (
+                "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9, the columns of weight "
+                "[N_out, Ku + Kc] (shape [6, 9]), got 4 + 4 (x_u shape [2, 4], x_c shape [3, 4])"
+            ),
         ),
         (
             lambda a: a.update(x_c=a["x_c"][:, :4].copy(), num_user_features=4),
@@ -135,8 +137,10 @@ def expect_untouched(out):
         ),
         (
             lambda a: a.update(x_u=a["x_u"][:, :3].copy()),
-            "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9, the columns of weight "
-            "[N_out, Ku + Kc] (shape [6, 9]), got 3 + 5 (x_u shape [2, 3], x_c shape [3, 5])",
+            (
+                "x_u dimension 1 (Ku) plus x_c dimension 1 (Kc) must be 9, the columns of weight "
+                "[N_out, Ku + Kc] (shape [6, 9]), got 3 + 5 (x_u shape [2, 3], x_c shape [3, 5])"
+            ),
         ),
         (
             lambda a: a.update(x_u=np.ones((2, 9), np.float16)),
