@@ -46,21 +46,30 @@ know, or an in-place write near it. A move is kept only where it lets a
 consumer be rewritten, and the report names the ops moved (or, for a
 broadcast left, where moving it would stop and why).
 
-Every rewrite is checked: the rewritten graph runs on the sample inputs and
-its outputs must match the original's (relative Frobenius error per output
-within a dtype tolerance). A rewrite that fails alone is dropped, with the
-moves it needed. The pass prints a report of what it rewrote, and which
-broadcasts it left and why.
+Every rewrite is checked: the rewritten graph runs on copies of the sample
+inputs, from the module's buffers as they were, and its outputs and the
+buffers after the run must match the original's (relative Frobenius error
+per output within a dtype tolerance). A rewrite that fails alone is dropped,
+with the moves it needed. Where the sample cannot tell a shared operand from
+a per-candidate one (a one-row tensor of a one-candidate request), or an
+in-place write may reach an operand the ikbo op reads, the consumer is left.
+The pass prints a report of what it rewrote, and which broadcasts it left
+and why.
 
 Entry points: :func:`optimize` (a module or exported program plus sample
 inputs) and :func:`backend` / :func:`make_backend` for ``torch.compile``.
+The backend rewrites graphs of static shapes: compile with ``dynamic=False``
+so that each request size gets its own graph; a graph traced with dynamic
+shapes is left as captured, with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +78,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from . import torch_ops  # noqa: F401 -- registers the torch.ops.ikbo operators
 
@@ -309,6 +318,15 @@ def _row_index(call: _Call) -> Node | None:
     return None
 
 
+def _expand_size(node: Node, dim: int) -> Any:
+    """The size argument of the expand ``node`` for ``dim``: an int, or the
+    node that computes it (None when it cannot be read)."""
+    sizes = node.kwargs.get("size", node.args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    return sizes[dim] if dim < len(sizes) else None
+
+
 def _find_broadcast(node: Node) -> _Broadcast | None:
     call = _recognize(node)
     shape = _shape(node)
@@ -333,12 +351,20 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
             or shape != (num_users * repeats, *source_shape[2:])
         ):
             return None
+        # R as the graph computes it, where it does: a request may have another.
+        size = _expand_size(source, 1)
+        if isinstance(size, Node):
+            repeats = size
+        elif size != repeats:
+            return None
         return _Broadcast(node, unit, _Mapping("uniform", repeats, num_users), unit_dim=1)
 
     if len(source_shape) != len(shape):
         return None
     index = _row_index(call)
-    if index is not None:
+    # Rows of a module's own tensor (an embedding table, say) are a lookup,
+    # not a request's user tensor broadcast to its candidates.
+    if index is not None and source.op != "get_attr":
         return _Broadcast(node, source, _Mapping("index", index))
     if call.kind == "repeat_interleave":
         if _normalize_dim(call.get("dim"), len(shape)) != 0:
@@ -351,7 +377,14 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
         ):
             return _Broadcast(node, source, _Mapping("uniform", repeats, source_shape[0]))
         return None
-    if call.kind == "expand" and source_shape[0] == 1 and source_shape[1:] == shape[1:]:
+    # One row to B: with B = 1 in the sample the expand changes nothing there,
+    # and a source of one row per candidate would pass for one user.
+    if (
+        call.kind == "expand"
+        and source_shape[0] == 1
+        and source_shape[1:] == shape[1:]
+        and (shape[0] > 1 or source.op == "get_attr")
+    ):
         return _Broadcast(node, source, _Mapping("single", shape[0]))
     return None
 
@@ -1415,7 +1448,7 @@ class _Context:
         mapping = broadcast.mapping
         if mapping not in self.indices:
             if mapping.kind == "index":
-                node = mapping.source
+                node = self.insert(_user_index, mapping.source, user)
             elif mapping.kind == "counts":
                 node = self.insert(torch.repeat_interleave, mapping.source)
             elif mapping.kind == "uniform":
@@ -1432,6 +1465,12 @@ class _Context:
 
     def concat(self, nodes: Sequence[Node], dim: int) -> Node:
         return nodes[0] if len(nodes) == 1 else self.insert(torch.cat, list(nodes), dim)
+
+
+def _user_index(index: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
+    """cand_to_user as ikbo takes it from a gather's ``index``: torch counts
+    a negative index from the end of ``users``."""
+    return torch.where(index < 0, index + users.shape[0], index)
 
 
 def _single_user_index(candidates: torch.Tensor) -> torch.Tensor:
@@ -1540,15 +1579,27 @@ def _is_one_matrix(shape: tuple[int, ...] | None) -> bool:
     return shape is not None and (len(shape) == 2 or (len(shape) == 3 and shape[0] == 1))
 
 
-def _shared_weight(node: Node, split: _ConcatSplit) -> Node:
-    """The [M, K] (or [1, M, K]) matrix a matmul operand applies to every candidate."""
+def _shared_weight(node: Node, split: _ConcatSplit, rows: int) -> Node:
+    """The [M, K] (or [1, M, K]) matrix a matmul operand applies to every one
+    of the sample's ``rows`` candidates."""
     shape = _shape(node) or ()
+    matrix = None
     if _is_one_matrix(shape):
-        return node
-    if _kind(node) == "expand":
+        matrix = node
+    elif _kind(node) == "expand":
         source = _recognize(node).get("input")
         if _is_one_matrix(_shape(source)):
-            return source
+            matrix = source
+    if matrix is not None:
+        # [1, M, K] of a one-candidate sample may as well be [B, M, K]: one
+        # matrix per candidate. A module's own weight is one matrix.
+        if len(_shape(matrix)) == 3 and rows == 1 and matrix.op != "get_attr":
+            raise _Skip(
+                f"the weight operand {node.name} may have a matrix per candidate (the sample "
+                "request has one candidate, so the pass cannot tell)",
+                split.broadcasts,
+            )
+        return matrix
     raise _Skip(
         f"the weight operand {node.name} {list(shape)} is not one [M, K] matrix shared by all "
         "candidates",
@@ -1565,7 +1616,7 @@ def _match_lce(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match | None:
     split = _split_concat(concat, broadcasts, feature_dim=1, rank=3)
     if split is None:
         return None
-    weight = _shared_weight(weight_operand, split)
+    weight = _shared_weight(weight_operand, split, _shape(concat)[0])
     weight_shape = _shape(weight)
     _dtype_check(
         [_dtype_of(node) for node in (weight, *split.users(), *split.candidates)],
@@ -1880,9 +1931,32 @@ def _find_matches(
                     reasons.setdefault(item.node, []).append((node, f"{_describe(node)}: {skip}"))
                 break
             if match is not None:
-                matches.append(match)
+                # The ikbo op reads its operands where the consumer stands: an
+                # in-place write between their making and the consumer (a clamp_
+                # of the concat, say) would be lost.
+                modified = [item for item in _read_operands(node) if item in hazards]
+                if modified:
+                    message = (
+                        f"{_describe(node)}: its operand {modified[0].name} may be modified "
+                        "by an in-place op"
+                    )
+                    for item in match.broadcasts:
+                        reasons.setdefault(item.node, []).append((node, message))
+                else:
+                    matches.append(match)
                 break
     return broadcasts, matches, reasons
+
+
+def _read_operands(node: Node) -> list[Node]:
+    """The tensors a rewritten consumer reads: its operands, and the operands
+    of the concats and layout views between them and it."""
+    read = []
+    for item in node.all_input_nodes:
+        read.append(item)
+        if _kind(item) in ("cat", "transpose", "permute", "expand"):
+            read.extend(item.all_input_nodes)
+    return read
 
 
 def _stop_notes(
@@ -2081,12 +2155,42 @@ def _compare(expected: Any, actual: Any, tolerance: dict[torch.dtype, float]) ->
     return worst
 
 
-def _verify(
-    applied: _Applied, sample_inputs: Sequence[Any], expected: Any, tolerance: dict
-) -> float:
-    try:
+class _Runner:
+    """Runs graphs of one module on copies of the sample inputs, from the
+    module's buffers as they were at the start, and returns the outputs with
+    the buffers after the run: a model that writes its inputs or its state in
+    place sees the same values in every run, and a result it leaves in a
+    buffer is compared too. The caller's inputs and buffers stay as they were."""
+
+    def __init__(self, module: torch.nn.Module, sample_inputs: Sequence[Any]) -> None:
+        self.module = module
+        self.sample_inputs = sample_inputs
+        self.buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+
+    def inputs(self) -> list[Any]:
+        return tree_map(
+            lambda value: value.clone() if isinstance(value, torch.Tensor) else value,
+            list(self.sample_inputs),
+        )
+
+    def restore(self) -> None:
         with torch.no_grad():
-            actual = applied.module(*sample_inputs)
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+
+    def run(self, graph: torch.fx.GraphModule) -> tuple[Any, list[torch.Tensor]]:
+        self.restore()
+        try:
+            with torch.no_grad():
+                outputs = graph(*self.inputs())
+            return outputs, [buffer.clone() for buffer, _ in self.buffers]
+        finally:
+            self.restore()
+
+
+def _verify(applied: _Applied, runner: _Runner, expected: Any, tolerance: dict) -> float:
+    try:
+        actual = runner.run(applied.module)
     except Exception as error:  # any failure of the rewritten graph disqualifies it
         raise _Mismatch(f"the rewritten graph raised {type(error).__name__}: {error}") from error
     return _compare(expected, actual, tolerance)
@@ -2099,10 +2203,20 @@ def _as_graph_module(
         return module.module(), "torch.export"
     if isinstance(module, torch.fx.GraphModule):
         return module, "fx"
-    try:
+    with contextlib.suppress(Exception):  # symbolic tracing cannot follow: export runs it
         return torch.fx.symbolic_trace(module), "symbolic_trace"
-    except Exception:  # noqa: BLE001 -- Python symbolic tracing cannot follow: export runs it
-        return torch.export.export(module, tuple(sample_inputs)).module(), "torch.export"
+    # Dim 0 (B or U) of every tensor input left to vary, so that the result
+    # takes other requests; a model that export cannot trace so gets the
+    # sample's sizes fixed.
+    inputs = tuple(sample_inputs)
+    rows = tuple(
+        {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() else None
+        for value in inputs
+    )
+    try:
+        return torch.export.export(module, inputs, dynamic_shapes=rows).module(), "torch.export"
+    except Exception:  # noqa: BLE001
+        return torch.export.export(module, inputs).module(), "torch.export (static shapes)"
 
 
 def _left_reason(
@@ -2223,11 +2337,18 @@ def optimize(
     traced, tracer = _as_graph_module(module, sample_inputs)
     # A copy, so that recording shapes leaves the caller's graph as it was.
     graph_module = torch.fx.GraphModule(traced, copy.deepcopy(traced.graph))
+    runner = _Runner(graph_module, sample_inputs)
     with torch.no_grad():
         # ShapeProp may run on fake tensors (inside torch.compile it does), so
-        # the reference outputs come from a run of their own.
-        ShapeProp(graph_module).propagate(*sample_inputs)
-        expected = graph_module(*sample_inputs)
+        # the reference outputs come from a run of their own. There it must
+        # see the sample inputs themselves: copies would become fake tensors
+        # of symbolic sizes.
+        fake = torch._guards.detect_fake_mode(list(sample_inputs)) is not None
+        try:
+            ShapeProp(graph_module).propagate(*(sample_inputs if fake else runner.inputs()))
+        finally:
+            runner.restore()
+    expected = runner.run(graph_module)
 
     plan = _plan(graph_module)
     failures: dict[str, str] = {}
@@ -2235,7 +2356,7 @@ def optimize(
     max_error = 0.0
     if applied.matches:
         try:
-            max_error = _verify(applied, sample_inputs, expected, tolerance)
+            max_error = _verify(applied, runner, expected, tolerance)
         except _Mismatch:
             # Find the culprits one by one and keep the rest.
             passing: set[str] = set()
@@ -2243,13 +2364,13 @@ def optimize(
                 name = match.consumer.name
                 try:
                     single = _rewrite(graph_module, plan, {name})
-                    _verify(single, sample_inputs, expected, tolerance)
+                    _verify(single, runner, expected, tolerance)
                     passing.add(name)
                 except _Mismatch as mismatch:
                     failures[name] = str(mismatch)
             applied = _rewrite(graph_module, plan, passing)
             try:
-                max_error = _verify(applied, sample_inputs, expected, tolerance)
+                max_error = _verify(applied, runner, expected, tolerance)
             except _Mismatch as mismatch:
                 for name in passing:
                     failures[name] = f"applied together with the others: {mismatch}"
@@ -2261,6 +2382,22 @@ def optimize(
     if verbose:
         print(report)
     return result
+
+
+def _has_symbolic_shapes(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether torch.compile traced ``graph_module`` with dynamic shapes: a
+    placeholder that is a size, or a tensor with a symbolic size."""
+    for node in graph_module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            return True
+        if isinstance(value, torch.Tensor) and any(
+            isinstance(size, torch.SymInt) for size in value.shape
+        ):
+            return True
+    return False
 
 
 def make_backend(
@@ -2276,7 +2413,17 @@ def make_backend(
     pass a backend callable."""
 
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list[Any]):
-        optimized = optimize(graph_module, example_inputs, tolerance=tolerance, verbose=verbose)
+        optimized = graph_module
+        if _has_symbolic_shapes(graph_module):
+            # The pass reasons about the sample's sizes; one graph for many
+            # request sizes could break what it verified on one of them.
+            warnings.warn(
+                "ikbo.rewrite: a graph with dynamic shapes is left as captured; compile with "
+                "dynamic=False so that each request size gets a static graph ikbo can rewrite",
+                stacklevel=2,
+            )
+        else:
+            optimized = optimize(graph_module, example_inputs, tolerance=tolerance, verbose=verbose)
         if compiler == "eager":
             return optimized.forward
         inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler
