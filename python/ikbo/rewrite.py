@@ -1448,7 +1448,7 @@ class _Context:
         mapping = broadcast.mapping
         if mapping not in self.indices:
             if mapping.kind == "index":
-                node = self.insert(_user_index, mapping.source, user)
+                node = mapping.source
             elif mapping.kind == "counts":
                 node = self.insert(torch.repeat_interleave, mapping.source)
             elif mapping.kind == "uniform":
@@ -1465,12 +1465,6 @@ class _Context:
 
     def concat(self, nodes: Sequence[Node], dim: int) -> Node:
         return nodes[0] if len(nodes) == 1 else self.insert(torch.cat, list(nodes), dim)
-
-
-def _user_index(index: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
-    """cand_to_user as ikbo takes it from a gather's ``index``: torch counts
-    a negative index from the end of ``users``."""
-    return torch.where(index < 0, index + users.shape[0], index)
 
 
 def _single_user_index(candidates: torch.Tensor) -> torch.Tensor:

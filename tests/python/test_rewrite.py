@@ -241,7 +241,7 @@ def test_report_says_what_was_left_and_why(capsys):
 
 
 class NegativeIndices(torch.nn.Module):
-    """x[idx] reads idx = -1 as the last user: the rewritten graph counts it so too."""
+    """x[idx] reads idx = -1 as the last user; ikbo refuses indices outside [0, U)."""
 
     def __init__(self):
         super().__init__()
@@ -252,8 +252,9 @@ class NegativeIndices(torch.nn.Module):
         return compressed, self.projection(torch.cat([x_u[cand_to_user], x_c], dim=-1))
 
 
-def negative_index_arguments(seed=0, counts=COUNTS):
-    inputs = request(seed=seed, counts=counts)
+def index_arguments(offset=0):
+    """NegativeIndices' inputs, the mapping shifted by ``offset``."""
+    inputs = request()
     weight = torch.randn(M, KU + KC, generator=torch.Generator().manual_seed(102))
     return (
         inputs["e_u"],
@@ -261,20 +262,28 @@ def negative_index_arguments(seed=0, counts=COUNTS):
         inputs["x_u"],
         inputs["x_c"],
         weight,
-        inputs["cand_to_user"] - len(counts),
+        inputs["cand_to_user"] + offset,
     )
 
 
-def test_negative_indices_count_from_the_end():
-    model = NegativeIndices()
-    rewritten = rewrite.optimize(model, negative_index_arguments(), verbose=False)
-    assert len(rewritten.ikbo_report.rewritten) == 2
-    assert_same_outputs(rewritten, model, negative_index_arguments(seed=7, counts=(2, 0, 5, 1)))
+def test_rewrites_that_raise_are_dropped():
+    """The mapping is passed to the ikbo op as it is (a copy would cost the
+    map cache its hits): negative indices make the rewritten graph raise, and
+    the check drops the rewrites, with the library's message."""
+    model, arguments = NegativeIndices(), index_arguments(-NUM_USERS)
+    rewritten = rewrite.optimize(model, arguments, verbose=False)
+    report = rewritten.ikbo_report
+    assert not report.rewritten and not ikbo_ops(rewritten)
+    assert len(report.left) == 2
+    for item in report.left:
+        assert "was dropped: the rewritten graph raised ValueError" in item.reason
+        assert "cand_to_user" in item.reason  # the library's own message
+    assert_same_outputs(rewritten, model, arguments)
 
 
 def test_rewrites_that_change_results_are_dropped():
     """A tolerance no fp32 rounding meets: every rewrite fails the check."""
-    model, arguments = NegativeIndices(), negative_index_arguments()
+    model, arguments = NegativeIndices(), index_arguments()
     rewritten = rewrite.optimize(model, arguments, tolerance={torch.float32: 1e-15}, verbose=False)
     report = rewritten.ikbo_report
     assert not report.rewritten and not ikbo_ops(rewritten)
@@ -686,20 +695,18 @@ def test_dropped_rewrite_keeps_its_ops_below_the_gather():
     arguments = (inputs["x_u"], inputs["x_c"], torch.tensor(counts))
     model = TowerAfterGather("getitem").eval()
 
-    class NegativeMapping(torch.nn.Module):
+    class Mapping(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.inner = model
 
         def forward(self, x_u, x_c, counts):
-            idx = torch.repeat_interleave(counts) - x_u.shape[0]
+            idx = torch.repeat_interleave(counts)
             h = torch.relu(self.inner.tower(x_u[idx])) * self.inner.scale + 1.0
             return self.inner.head(torch.cat([h, x_c], dim=-1))
 
-    negative = NegativeMapping().eval()
-    rewritten = rewrite.optimize(
-        negative, arguments, tolerance={torch.float32: 1e-15}, verbose=False
-    )
+    mapped = Mapping().eval()
+    rewritten = rewrite.optimize(mapped, arguments, tolerance={torch.float32: 1e-15}, verbose=False)
     report = rewritten.ikbo_report
     assert not report.rewritten and not ikbo_ops(rewritten)
     (left,) = report.left
@@ -707,7 +714,7 @@ def test_dropped_rewrite_keeps_its_ops_below_the_gather():
     assert "differs by relative error" in left.reason
     (tower,) = [node for node in rewritten.graph.nodes if node.target == "inner.tower"]
     assert tower.args[0].name == left.node  # still on the candidate rows
-    assert_matches(rewritten, negative, arguments)
+    assert_matches(rewritten, mapped, arguments)
 
 
 def lce_request(num_candidates, num_users, seed=0):
