@@ -5,8 +5,12 @@ Registered with :func:`torch.library.custom_op`, each with a fake (meta)
 implementation, so ``torch.compile(fullgraph=True)`` and ``torch.export`` trace
 them as single opaque nodes, and eager calls run the library on CPU or CUDA
 tensors of float16, bfloat16 or float32 (the library's own ``ValueError``
-messages reach the caller unchanged). Inputs may have any strides: a
-non-contiguous one is copied to the dense row-major layout the kernels read.
+messages reach the caller unchanged; a non-tensor argument raises
+``TypeError``). The fake implementations check what they can see (ranks,
+extents, dtypes, devices) as the library does, so tracing an invalid call
+raises the same kind of ``ValueError`` instead of giving it an output shape.
+Inputs may have any strides: a non-contiguous one is copied to the dense
+row-major layout the kernels read.
 The ops are inference-only; backward through them raises.
 
 Per-request and per-weights state
@@ -20,22 +24,46 @@ tensor:
   device copy) is built by the first op of a request that sees the index
   tensor, at the cost of one device-to-host read of the mapping and a stream
   synchronization; every later op of the request that gets the same tensor
-  (or a view of it) reuses it for free;
+  (or a view of it) reuses it (for a CPU index tensor, after an O(B)
+  comparison: see below);
 - :class:`~ikbo.LcePlan` / ``LinearPlan`` (the weights, copied and padded once)
   are cached the same way on the weight tensors, so a module's parameters are
   prepared on its first call only; slices of one weight (``w[:, :ku]``) are
   recognized as such on every call;
 - jagged K/V offsets become a :class:`~ikbo.JaggedOffsets` the same way.
 
-An entry stays valid while the tensors it came from are alive and unmodified:
-the key is the identity of each tensor's storage owner (``t._base`` for a
-view) plus the view's offset, shape and strides, and in-place writes are seen
-through torch's version counter. Inference tensors (made under
-``torch.inference_mode``) have no version counter; for those the entry keeps
-a snapshot and compares contents on each reuse, which costs a device
-synchronization on CUDA: make the index tensor outside inference mode
-(``torch.no_grad`` is enough) to avoid it. Entries go away with their tensors.
-:func:`build_counts` tells how many of each object were built, to check that.
+An entry is reused only while every tensor it came from is alive, still
+backed by the same memory, and unchanged. The key is the identity of each
+tensor's storage owner (``t._base`` for a view) plus the view's offset, shape,
+strides, dtype and device; the entry also records the storage itself (the
+object and its address), so ``p.data = other``, ``p.set_(other)`` and a module
+moved away and back (``model.cpu().cuda()``) rebuild it. Whether the contents
+are unchanged is told so:
+
+- an index tensor on the CPU (the mapping, jagged offsets: B or U + 1
+  entries) is compared with a copy of its contents that the entry keeps, bit
+  for bit, on every reuse, so every write is seen, including those torch's
+  version counter misses: through a numpy array sharing the memory
+  (``torch.from_numpy(buf)`` with ``buf`` refilled per request, the
+  zero-copy serving pattern) or another library over DLPack;
+- any other tensor (weights on any device, a CUDA index tensor) is not read,
+  since that would cost a pass over each weight on every op, or a host-device
+  synchronization: it counts as unchanged while torch's version counter says
+  so. That sees in-place ops through the tensor, its views and its
+  ``detach()`` aliases (``copy_``, ``mul_``, ``load_state_dict``, optimizer
+  steps, index assignment), but not writes through ``p.data``
+  (``p.data.mul_(2)``), through another framework sharing the memory (numpy,
+  DLPack, cupy, CUDA IPC) or by custom kernels, nor a storage resized away
+  and back (``untyped_storage().resize_``) to its old address. After such a
+  write, call :func:`invalidate` on the tensor (or :func:`clear_cache`)
+  before the next op;
+- an inference tensor (made under ``torch.inference_mode``) has no version
+  counter and is compared by contents, which on CUDA costs a device
+  synchronization per reuse: make a CUDA index tensor outside inference mode
+  (``torch.no_grad`` is enough) to avoid it.
+
+Entries go away with their tensors. :func:`build_counts` tells how many of
+each object were built, to check that.
 
 CUDA graphs
 -----------
@@ -55,6 +83,7 @@ stale map.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -62,17 +91,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C
 from .ops import attention as _attention
 from .ops import lce as _lce
 from .ops import linear as _linear
 
-__all__ = ["attention", "build_counts", "candidate_map", "lce", "linear"]
+__all__ = [
+    "attention",
+    "build_counts",
+    "candidate_map",
+    "clear_cache",
+    "invalidate",
+    "lce",
+    "linear",
+]
 
 # Out-of-range entries must stay out of range when int64 indices are narrowed
 # for the library, which then reports them (a plain cast would wrap 2**32 to 0).
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+# Integer dtypes by element size: snapshots are compared bit for bit, so a NaN
+# weight equals itself and -0.0 differs from 0.0.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _storage_owner(tensor: torch.Tensor) -> torch.Tensor:
@@ -90,23 +133,61 @@ def _view_key(tensor: torch.Tensor) -> tuple[Hashable, ...]:
     )
 
 
+# The objects derived from index tensors (B or U + 1 entries): comparing
+# those by contents on the CPU costs next to nothing.
+_INDEX_KINDS = frozenset({"CandidateMap", "JaggedOffsets"})
+
+
+def _compared_by_contents(tensor: torch.Tensor, kind: str) -> bool:
+    # Reading a CPU tensor needs no synchronization, and an index tensor is
+    # small; inference tensors have no version counter.
+    return (tensor.device.type == "cpu" and kind in _INDEX_KINDS) or tensor.is_inference()
+
+
+def _same_bits(snapshot: torch.Tensor, tensor: torch.Tensor) -> bool:
+    bits = _BITS[tensor.element_size()]
+    return torch.equal(snapshot.view(bits), tensor.detach().view(bits))
+
+
 @dataclass
 class _Source:
     """What a cache entry remembers of one tensor it was derived from."""
 
     owner: weakref.ref
-    version: int | None  # None for inference tensors, which have no version counter
-    snapshot: torch.Tensor | None  # the contents, for inference tensors only
+    # The storage object, by a weak reference (which keeps its identity from
+    # passing to a new storage), and its memory's address, which resize_ moves.
+    storage: StorageWeakRef
+    address: int
+    device: torch.device
+    version: int | None  # None when the contents are compared
+    snapshot: torch.Tensor | None  # the contents, for CPU index and inference tensors only
 
     @staticmethod
-    def of(tensor: torch.Tensor, on_owner_death: Callable[[Any], None]) -> _Source:
+    def of(tensor: torch.Tensor, kind: str, on_owner_death: Callable[[Any], None]) -> _Source:
         owner = weakref.ref(_storage_owner(tensor), on_owner_death)
-        if tensor.is_inference():
-            return _Source(owner, None, tensor.clone())
-        return _Source(owner, tensor._version, None)
+        storage = tensor.untyped_storage()
+        if _compared_by_contents(tensor, kind):
+            version = None
+            snapshot = tensor.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            version, snapshot = tensor._version, None
+        return _Source(
+            owner, StorageWeakRef(storage), storage.data_ptr(), tensor.device, version, snapshot
+        )
+
+    def shares_memory_with(self, tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()
+        return self.storage.cdata == storage._cdata or (
+            self.device == tensor.device and self.address == storage.data_ptr() != 0
+        )
 
     def matches(self, tensor: torch.Tensor) -> bool:
-        if self.owner() is not _storage_owner(tensor):
+        storage = tensor.untyped_storage()
+        if (
+            self.owner() is not _storage_owner(tensor)
+            or self.storage.cdata != storage._cdata
+            or self.address != storage.data_ptr()
+        ):
             return False
         if self.snapshot is None:
             return self.version == tensor._version
@@ -114,7 +195,7 @@ class _Source:
             # Comparing would synchronize inside the capture; the graph bakes
             # in this entry either way (see "CUDA graphs" above).
             return True
-        return torch.equal(self.snapshot, tensor)
+        return _same_bits(self.snapshot, tensor)
 
 
 class _DerivedStateCache:
@@ -150,15 +231,46 @@ class _DerivedStateCache:
         value = build()
         self.builds[kind] += 1
 
-        # A dead owner's id may be reused by a new tensor: drop its entries at once.
+        # A dead owner's id may be reused by a new tensor: drop its entries at
+        # once. A stale entry is replaced under the same key, never kept.
         def forget(_reference: Any) -> None:
             self._entries.pop(key, None)
 
-        self._entries[key] = ([_Source.of(tensor, forget) for tensor in sources], value)
+        self._entries[key] = ([_Source.of(tensor, kind, forget) for tensor in sources], value)
         return value
+
+    def invalidate(self, tensor: torch.Tensor) -> None:
+        owner = _storage_owner(tensor)
+        for key, (sources, _) in list(self._entries.items()):
+            if any(
+                source.owner() is owner or source.shares_memory_with(tensor) for source in sources
+            ):
+                self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 _CACHE = _DerivedStateCache()
+
+
+def invalidate(tensor: torch.Tensor) -> None:
+    """Forgets the candidate maps, offsets and weight plans derived from
+    ``tensor``'s memory (from it, its views, or any tensor sharing its
+    storage, such as ``p.data``); the next op rebuilds them.
+
+    Needed only for a tensor written behind torch's version counter (through
+    ``p.data``, numpy or another framework, a custom kernel), other than an
+    index tensor on the CPU, which is compared by contents: see the module
+    notes.
+    """
+    _CACHE.invalidate(tensor)
+
+
+def clear_cache() -> None:
+    """Forgets every candidate map, offsets object and weight plan the torch ops
+    hold (:func:`invalidate` for all tensors at once)."""
+    _CACHE.clear()
 
 
 def _stream(tensor: torch.Tensor) -> int:
@@ -171,6 +283,207 @@ def _as_int32(indices: torch.Tensor) -> torch.Tensor:
     return indices.detach().contiguous()
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "[" + ", ".join(str(extent) for extent in tensor.shape) + "]"
+
+
+def _check(condition: Any, message: Callable[[], str]) -> None:
+    """Raises ValueError(message()) unless ``condition``; under torch.compile or
+    torch.export a symbolic condition becomes a guard or a runtime assertion."""
+    if condition is not True:  # False, or symbolic
+        torch._check_value(condition, message)
+
+
+def _check_tensors(**tensors: Any) -> None:
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _check_index_dtype(tensor: torch.Tensor, name: str) -> None:
+    _check(
+        tensor.dtype in _INDEX_DTYPES,
+        lambda: f"{name} must have dtype int32 or int64, got {_dtype_name(tensor.dtype)}",
+    )
+
+
+def _check_float_dtype(tensor: torch.Tensor, name: str) -> None:
+    _check(
+        tensor.dtype in _FLOAT_DTYPES,
+        lambda: (
+            f"{name} must have dtype float16, bfloat16 or float32, got {_dtype_name(tensor.dtype)}"
+        ),
+    )
+
+
+# The checks below mirror the library's (same conditions, same kind of
+# message) for what the fake implementations can see: ranks, extents, dtypes
+# and devices, never values.
+
+
+def _check_tensor(
+    tensor: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device, rank: int
+) -> None:
+    _check(
+        tensor.dim() == rank,
+        lambda: f"{name} must have {rank} dimensions, got {tensor.dim()} (shape {_shape(tensor)})",
+    )
+    _check(
+        tensor.dtype == dtype,
+        lambda: f"{name} must have dtype {_dtype_name(dtype)}, got {_dtype_name(tensor.dtype)}",
+    )
+    _check(tensor.device == device, lambda: f"{name} must be on {device}, got {tensor.device}")
+
+
+def _check_dim(tensor: torch.Tensor, name: str, dim: int, expected: Any, meaning: str) -> None:
+    _check(
+        tensor.shape[dim] == expected,
+        lambda: (
+            f"{name} dimension {dim} must be {expected} ({meaning}), got "
+            f"{tensor.shape[dim]} (shape {_shape(tensor)})"
+        ),
+    )
+
+
+def _check_positive(tensor: torch.Tensor, name: str, dim: int, meaning: str) -> None:
+    _check(
+        tensor.shape[dim] >= 1,
+        lambda: f"{name} dimension {dim} ({meaning}) must be >= 1, got {tensor.shape[dim]}",
+    )
+
+
+def _check_mapping(
+    cand_to_user: torch.Tensor,
+    candidates: torch.Tensor,
+    candidates_name: str,
+    users: torch.Tensor,
+    users_name: str,
+    users_meaning: str,
+    least: int,
+    device: torch.device,
+) -> None:
+    """cand_to_user against the candidates (dimension 0 is B) and the users,
+    whose dimension 0 (U, or U + 1 for offsets) may be below ``least`` only in a
+    request without candidates."""
+    _check_index_dtype(cand_to_user, "cand_to_user")
+    _check(
+        cand_to_user.dim() == 1,
+        lambda: (
+            f"cand_to_user must have 1 dimension, got {cand_to_user.dim()} "
+            f"(shape {_shape(cand_to_user)})"
+        ),
+    )
+    _check(
+        cand_to_user.device == device,
+        lambda: (
+            f"cand_to_user must be on {device} like {candidates_name}, got {cand_to_user.device}"
+        ),
+    )
+    _check_dim(candidates, candidates_name, 0, cand_to_user.shape[0], "the length of cand_to_user")
+    _check(
+        (users.shape[0] >= least) | (cand_to_user.shape[0] == 0),
+        lambda: (
+            f"{users_name} dimension 0 ({users_meaning}) must be >= {least} when cand_to_user "
+            f"has entries, got {users.shape[0]} (shape {_shape(users)})"
+        ),
+    )
+
+
+def _check_lce(w_c, w_u, e_c, e_u, cand_to_user) -> None:
+    _check_tensors(w_c=w_c, w_u=w_u, e_c=e_c, e_u=e_u, cand_to_user=cand_to_user)
+    _check_float_dtype(w_c, "w_c")
+    dtype, device = w_c.dtype, w_c.device
+    _check_tensor(w_c, "w_c", dtype, device, 2)
+    _check_tensor(w_u, "w_u", dtype, device, 2)
+    _check_dim(w_u, "w_u", 0, w_c.shape[0], "M of w_c")
+    _check_positive(w_c, "w_c", 0, "M")
+    _check_positive(w_c, "w_c", 1, "Kc")
+    _check_positive(w_u, "w_u", 1, "Ku")
+    _check_tensor(e_c, "e_c", dtype, device, 3)
+    _check_tensor(e_u, "e_u", dtype, device, 3)
+    _check_dim(e_c, "e_c", 1, w_c.shape[1], "Kc of w_c")
+    _check_dim(e_u, "e_u", 1, w_u.shape[1], "Ku of w_u")
+    _check_dim(e_u, "e_u", 2, e_c.shape[2], "N of e_c")
+    _check_positive(e_c, "e_c", 2, "N")
+    _check_mapping(cand_to_user, e_c, "e_c", e_u, "e_u", "U", 1, device)
+
+
+def _check_attention(q, k, v, cand_to_user, kv_offsets, scale) -> None:
+    _check_tensors(q=q, k=k, v=v, cand_to_user=cand_to_user)
+    _check_float_dtype(q, "q")
+    dtype, device = q.dtype, q.device
+    _check_tensor(q, "q", dtype, device, 4)
+    kv_rank = 4 if kv_offsets is None else 3
+    _check_tensor(k, "k", dtype, device, kv_rank)
+    _check_tensor(v, "v", dtype, device, kv_rank)
+    _check_positive(q, "q", 1, "n_seed")
+    _check_positive(q, "q", 2, "H")
+    head_dim = q.shape[3]
+    _check(
+        (head_dim == 64) | (head_dim == 128) | (head_dim == 256),
+        lambda: f"q dimension 3 (head dim D) must be 64, 128 or 256, got {head_dim}",
+    )
+    _check_dim(k, "k", kv_rank - 2, q.shape[2], "H of q")
+    _check_dim(k, "k", kv_rank - 1, head_dim, "D of q")
+    same_shape = True
+    for dim in range(kv_rank):
+        same_shape = same_shape & (v.shape[dim] == k.shape[dim])
+    _check(same_shape, lambda: f"v must have shape {_shape(k)} (the shape of k), got {_shape(v)}")
+    if kv_offsets is None:
+        _check_mapping(cand_to_user, q, "q", k, "k", "U", 1, device)
+    else:
+        _check_tensors(kv_offsets=kv_offsets)
+        _check_index_dtype(kv_offsets, "kv_offsets")
+        _check(
+            kv_offsets.dim() == 1,
+            lambda: (
+                f"kv_offsets must have 1 dimension, got {kv_offsets.dim()} "
+                f"(shape {_shape(kv_offsets)})"
+            ),
+        )
+        _check(
+            kv_offsets.device == device,
+            lambda: f"kv_offsets must be on {device} like q, got {kv_offsets.device}",
+        )
+        _check(
+            kv_offsets.shape[0] >= 1,
+            lambda: "kv_offsets must have at least 1 entry (U + 1), got 0",
+        )
+        _check_mapping(cand_to_user, q, "q", kv_offsets, "kv_offsets", "U + 1", 2, device)
+    if scale is not None:
+        _check(math.isfinite(scale), lambda: f"scale must be finite, got {scale}")
+
+
+def _check_linear(w_c, w_u, x_c, x_u, cand_to_user, bias) -> None:
+    _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
+    _check_float_dtype(w_u, "w_u")
+    dtype, device = w_u.dtype, w_u.device
+    _check_tensor(w_u, "w_u", dtype, device, 2)
+    _check_tensor(w_c, "w_c", dtype, device, 2)
+    _check_dim(w_c, "w_c", 0, w_u.shape[0], "N_out of w_u")
+    _check_positive(w_u, "w_u", 0, "N_out")
+    _check_positive(w_u, "w_u", 1, "Ku")
+    _check_positive(w_c, "w_c", 1, "Kc")
+    if bias is not None:
+        _check_tensors(bias=bias)
+        _check_tensor(bias, "bias", dtype, device, 1)
+        _check_dim(bias, "bias", 0, w_u.shape[0], "N_out of w_u")
+    _check_tensor(x_c, "x_c", dtype, device, 2)
+    _check_tensor(x_u, "x_u", dtype, device, 2)
+    _check_dim(x_c, "x_c", 1, w_c.shape[1], "Kc of w_c")
+    _check_dim(x_u, "x_u", 1, w_u.shape[1], "Ku of w_u")
+    _check_mapping(cand_to_user, x_c, "x_c", x_u, "x_u", "U", 1, device)
+
+
+def _rows(tensor: torch.Tensor) -> int:
+    """Dimension 0 of ``tensor`` (1 for a scalar, which the library reports)."""
+    return tensor.shape[0] if tensor.dim() >= 1 else 1
+
+
 def candidate_map(cand_to_user: torch.Tensor, num_users: int) -> _C.CandidateMap:
     """The :class:`~ikbo.CandidateMap` of ``cand_to_user`` (a 1-D int32 or int64
     tensor on the CPU or a CUDA device, values in ``[0, num_users)``), from the
@@ -179,6 +492,8 @@ def candidate_map(cand_to_user: torch.Tensor, num_users: int) -> _C.CandidateMap
     Call it once per request before capturing a CUDA graph, or to hand the same
     map to :func:`ikbo.lce` / :func:`ikbo.attention` directly.
     """
+    _check_tensors(cand_to_user=cand_to_user)
+    _check_index_dtype(cand_to_user, "cand_to_user")
     num_users = int(num_users)
     return _CACHE.get(
         "CandidateMap",
@@ -197,6 +512,7 @@ def build_counts() -> dict[str, int]:
 
 
 def _jagged_offsets(kv_offsets: torch.Tensor, total_rows: int) -> _C.JaggedOffsets:
+    _check_index_dtype(kv_offsets, "kv_offsets")
     return _CACHE.get(
         "JaggedOffsets",
         (kv_offsets,),
@@ -244,11 +560,14 @@ def lce(
     """``out[b] = w_c @ e_c[b] + w_u @ e_u[cand_to_user[b]]``.
 
     w_c ``[M, Kc]``, w_u ``[M, Ku]``, e_c ``[B, Kc, N]``, e_u ``[U, Ku, N]``
-    (U = ``e_u.shape[0]``), cand_to_user ``[B]``; returns ``[B, M, N]``. One
-    dtype (float16, bfloat16, float32) and device for all; fp32 accumulation,
-    the two partial products summed in fp32 and rounded once. The weights are
-    prepared on the first call and reused while unchanged.
+    (U = ``e_u.shape[0]``, which may be 0 only when B is), cand_to_user ``[B]``;
+    returns ``[B, M, N]``. One dtype (float16, bfloat16, float32) and device for
+    all; fp32 accumulation, the two partial products summed in fp32 and rounded
+    once. The weights are prepared on the first call and reused while unchanged.
     """
+    _check_tensors(w_c=w_c, w_u=w_u, e_c=e_c, e_u=e_u, cand_to_user=cand_to_user)
+    if _rows(e_u) == 0:  # no users, so no candidates: nothing for the library to do
+        return _lce_fake(w_c, w_u, e_c, e_u, cand_to_user)
     plan = _lce_plan(w_c, w_u)
     mapping = candidate_map(cand_to_user, e_u.shape[0])
     return _lce(plan, None, e_c.contiguous(), e_u.contiguous(), mapping)
@@ -256,7 +575,8 @@ def lce(
 
 @lce.register_fake
 def _lce_fake(w_c, w_u, e_c, e_u, cand_to_user):
-    return e_c.new_empty((e_c.shape[0], w_c.shape[0], e_c.shape[-1]))
+    _check_lce(w_c, w_u, e_c, e_u, cand_to_user)
+    return e_c.new_empty((e_c.shape[0], w_c.shape[0], e_c.shape[2]))
 
 
 @torch.library.custom_op("ikbo::attention", mutates_args=(), tags=_TAGS)
@@ -274,10 +594,19 @@ def attention(
     q ``[B, n_seed, H, D]`` (D in {64, 128, 256}); k, v dense ``[U, S, H, D]``, or
     jagged ``[total, H, D]`` with kv_offsets ``[U + 1]`` (a user without rows
     gets zeros, as does a query row whose every key scores -inf, where torch's
-    softmax gives NaN); scale defaults to ``1 / sqrt(D)``. Returns q's shape. Note the
-    layout: torch's ``scaled_dot_product_attention`` takes ``[B, H, L, D]``,
-    which is ``q.transpose(1, 2)`` of this one.
+    softmax gives NaN; U may be 0 only when B is); scale defaults to
+    ``1 / sqrt(D)``. Returns q's shape. Note the layout: torch's
+    ``scaled_dot_product_attention`` takes ``[B, H, L, D]``, which is
+    ``q.transpose(1, 2)`` of this one.
     """
+    _check_tensors(q=q, k=k, v=v, cand_to_user=cand_to_user)
+    if kv_offsets is None:
+        no_users = _rows(k) == 0
+    else:
+        _check_tensors(kv_offsets=kv_offsets)
+        no_users = _rows(kv_offsets) <= 1
+    if no_users:  # no candidates either: nothing for the library to do
+        return _attention_fake(q, k, v, cand_to_user, kv_offsets, scale)
     if kv_offsets is None:
         offsets, num_users = None, k.shape[0]
     else:
@@ -291,6 +620,7 @@ def attention(
 
 @attention.register_fake
 def _attention_fake(q, k, v, cand_to_user, kv_offsets=None, scale=None):
+    _check_attention(q, k, v, cand_to_user, kv_offsets, scale)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -309,10 +639,14 @@ def linear(
 
     w_c ``[N_out, Kc]``, w_u ``[N_out, Ku]`` (column blocks of torch's weight,
     e.g. ``weight[:, :ku]`` and ``weight[:, ku:]``: views are recognized and
-    prepared once), x_c ``[B, Kc]``, x_u ``[U, Ku]`` (U = ``x_u.shape[0]``),
-    bias ``[N_out]`` or None; returns ``[B, N_out]``. The user part, bias
-    included, is computed once per user in fp32 and added in fp32, rounded once.
+    prepared once), x_c ``[B, Kc]``, x_u ``[U, Ku]`` (U = ``x_u.shape[0]``,
+    which may be 0 only when B is), bias ``[N_out]`` or None; returns
+    ``[B, N_out]``. The user part, bias included, is computed once per user in
+    fp32 and added in fp32, rounded once.
     """
+    _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
+    if _rows(x_u) == 0:  # no users, so no candidates: nothing for the library to do
+        return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias)
     plan = _linear_plan(w_c, w_u, bias)
     mapping = candidate_map(cand_to_user, x_u.shape[0])
     return _linear(plan, x_c.contiguous(), x_u.contiguous(), mapping)
@@ -320,4 +654,5 @@ def linear(
 
 @linear.register_fake
 def _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias=None):
+    _check_linear(w_c, w_u, x_c, x_u, cand_to_user, bias)
     return x_c.new_empty((x_c.shape[0], w_c.shape[0]))

@@ -6,6 +6,7 @@ a GPU, CUDA graph capture."""
 import gc
 import re
 
+import numpy as np
 import pytest
 
 import ikbo
@@ -151,6 +152,106 @@ def test_library_errors_reach_the_caller():
         torch.ops.ikbo.lce(w_c.double(), w_u, e_c, e_u, cand_to_user)
 
 
+def test_argument_errors_name_the_argument():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(20))
+    with pytest.raises(TypeError, match="w_c must be a torch.Tensor, got NoneType"):
+        torch.ops.ikbo.lce(None, w_u, e_c, e_u, cand_to_user)
+    with pytest.raises(ValueError, match="cand_to_user must have dtype int32 or int64, got int16"):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user.short())
+    with pytest.raises(ValueError, match="kv_offsets must have dtype int32 or int64, got float32"):
+        q, k = torch.zeros(7, 1, 1, 64), torch.zeros(4, 1, 64)
+        torch.ops.ikbo.attention(q, k, k, cand_to_user, torch.tensor([0.0, 1, 2, 4]))
+
+
+def test_requests_without_users():
+    """U = 0 is a valid request when B = 0 too (an empty output); with
+    candidates, the error names the tensor that has no users."""
+    generator = torch.Generator().manual_seed(21)
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(generator)
+    none = cand_to_user[:0]
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c[:0], e_u[:0], none)
+    assert out.shape == (0, 11, 5) and out.dtype == e_c.dtype
+    with pytest.raises(ValueError, match=re.escape("e_u dimension 0 (U) must be >= 1")):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u[:0], cand_to_user)
+
+    q, k = randn(generator, (7, 3, 2, 64)), randn(generator, (0, 4, 2, 64))
+    assert torch.ops.ikbo.attention(q[:0], k, k, none).shape == (0, 3, 2, 64)
+    with pytest.raises(ValueError, match=re.escape("k dimension 0 (U) must be >= 1")):
+        torch.ops.ikbo.attention(q, k, k, cand_to_user)
+    k, offsets = k.flatten(0, 1), torch.zeros(1, dtype=torch.int32)  # jagged, kv_offsets [0]
+    assert torch.ops.ikbo.attention(q[:0], k, k, none, offsets).shape == (0, 3, 2, 64)
+    with pytest.raises(ValueError, match=re.escape("kv_offsets dimension 0 (U + 1) must be >= 2")):
+        torch.ops.ikbo.attention(q, k, k, cand_to_user, offsets)
+
+    weight, x_c, x_u = randn(generator, (6, 9)), randn(generator, (7, 5)), randn(generator, (0, 4))
+    assert torch.ops.ikbo.linear(weight[:, 4:], weight[:, :4], x_c[:0], x_u, none).shape == (0, 6)
+    with pytest.raises(ValueError, match=re.escape("x_u dimension 0 (U) must be >= 1")):
+        torch.ops.ikbo.linear(weight[:, 4:], weight[:, :4], x_c, x_u, cand_to_user)
+
+
+def invalid_calls():
+    """(op, arguments, the message both the op and its fake implementation raise)."""
+    r = torch.randn
+    mapping = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+    lce, attention, linear = torch.ops.ikbo.lce, torch.ops.ikbo.attention, torch.ops.ikbo.linear
+    return {
+        "lce Kc": (
+            lce,
+            (r(5, 3), r(5, 2), r(4, 4, 6), r(2, 2, 6), mapping),
+            "e_c dimension 1 must be 3",
+        ),
+        "lce dtypes": (
+            lce,
+            (r(5, 3), r(5, 2), r(4, 3, 6).bfloat16(), r(2, 2, 6), mapping),
+            "e_c must have dtype float32, got bfloat16",
+        ),
+        "lce B": (
+            lce,
+            (r(5, 3), r(5, 2), r(4, 3, 6), r(2, 2, 6), mapping[:3]),
+            "e_c dimension 0 must be 3",
+        ),
+        "lce U = 0": (
+            lce,
+            (r(5, 3), r(5, 2), r(4, 3, 6), r(0, 2, 6), mapping),
+            r"e_u dimension 0 \(U\)",
+        ),
+        "attention D": (
+            attention,
+            (r(4, 3, 2, 32), r(2, 5, 2, 32), r(2, 5, 2, 32), mapping),
+            r"q dimension 3 \(head dim D\) must be 64, 128 or 256, got 32",
+        ),
+        "attention Dv": (
+            attention,
+            (r(4, 3, 2, 64), r(2, 5, 2, 64), r(2, 5, 2, 128), mapping),
+            re.escape("v must have shape [2, 5, 2, 64] (the shape of k), got [2, 5, 2, 128]"),
+        ),
+        "linear x_c": (
+            linear,
+            (r(5, 3), r(5, 2), r(4, 7, 3), r(2, 2), mapping),
+            re.escape("x_c must have 2 dimensions, got 3 (shape [4, 7, 3])"),
+        ),
+        "linear bias": (
+            linear,
+            (r(5, 3), r(5, 2), r(4, 3), r(2, 2), mapping, r(4, 5)),
+            "bias must have 1 dimensions, got 2",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", invalid_calls())
+def test_fake_implementations_refuse_what_the_ops_refuse(case):
+    """Tracing (torch.compile, torch.export) must fail where running fails,
+    rather than give an output shape for an invalid call."""
+    op, arguments, message = invalid_calls()[case]
+    with pytest.raises(ValueError, match=message):
+        op(*arguments)
+    with (
+        torch._subclasses.fake_tensor.FakeTensorMode() as mode,
+        pytest.raises(ValueError, match=message),
+    ):
+        op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in arguments))
+
+
 def test_backward_is_refused():
     w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(7))
     out = torch.ops.ikbo.lce(w_c.requires_grad_(), w_u, e_c, e_u, cand_to_user)
@@ -216,6 +317,76 @@ def test_candidate_map_is_the_shared_one():
     assert mapping is torch_ops.candidate_map(cand_to_user, 2)
     assert mapping.num_users == 2 and mapping.user_counts.tolist() == [1, 2]
     assert torch_ops.candidate_map(cand_to_user, 3).num_users == 3
+
+
+def test_writes_behind_the_version_counter():
+    """A storage swapped by .data = is seen; CPU mappings are compared by
+    contents, so a numpy buffer refilled in place (zero-copy serving) reaches
+    the next op; a weight written behind the version counter (through .data
+    or numpy) is seen once invalidated."""
+    generator = torch.Generator().manual_seed(22)
+    _, _, e_c, e_u, cand_to_user = lce_inputs(generator)
+    weight = torch.nn.Parameter(randn(generator, (11, 9 + 6)))
+
+    def run(weight, cand_to_user):
+        w_c, w_u = weight[:, :9], weight[:, 9:]
+        out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+        assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), "float32")
+
+    with torch.no_grad():
+        run(weight, cand_to_user)
+        weight.mul_(-2)  # through the version counter
+        run(weight, cand_to_user)
+        weight.data = torch.randn_like(weight)  # another storage
+        run(weight, cand_to_user)
+        weight.data.mul_(-2)  # behind the version counter
+        torch_ops.invalidate(weight)
+        run(weight, cand_to_user)
+
+    rng = np.random.default_rng(22)
+    weight_buffer, mapping_buffer = np.zeros((11, 15), np.float32), np.zeros(7, np.int64)
+    weight, cand_to_user = torch.from_numpy(weight_buffer), torch.from_numpy(mapping_buffer)
+    maps = counting("CandidateMap")
+    for request in range(3):
+        weight_buffer[:] = rng.standard_normal(weight_buffer.shape)
+        torch_ops.invalidate(weight)
+        mapping_buffer[:] = rng.integers(0, 3, 7)
+        run(weight, cand_to_user)
+        run(weight, cand_to_user)  # unchanged: reused
+        assert counting("CandidateMap") == maps + request + 1
+
+
+def test_invalidate_and_clear_cache():
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(23))
+    torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    plans, maps = counting("LcePlan"), counting("CandidateMap")
+    torch_ops.invalidate(w_u.data)  # any tensor on the same storage
+    torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    assert counting("LcePlan") == plans + 1 and counting("CandidateMap") == maps
+    torch_ops.clear_cache()
+    assert not torch_ops._CACHE._entries
+    torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    assert counting("LcePlan") == plans + 2 and counting("CandidateMap") == maps + 1
+
+
+@needs_cuda
+def test_cuda_writes_behind_the_version_counter_need_invalidate():
+    """On CUDA the version counter and the storage tell a change; a write
+    through .data is seen once the tensor is invalidated."""
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(24), device="cuda")
+
+    def run():
+        out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+        assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user.cpu()), "float32")
+
+    run()
+    w_u.mul_(-2)
+    run()
+    w_u.data = torch.randn_like(w_u)
+    run()
+    w_u.data.mul_(3)
+    torch_ops.invalidate(w_u)
+    run()
 
 
 def ranking_step(w_c, w_u, e_c, e_u, q, k, v, x_c, x_u, weight, cand_to_user):
@@ -312,6 +483,27 @@ def test_torch_export_keeps_the_ops():
     assert {"ikbo.lce.default", "ikbo.attention.default", "ikbo.linear.default"} <= targets
     for got, want in zip(exported.module()(*inputs), ranking_step(*inputs)):
         torch.testing.assert_close(got, want)
+
+
+def test_torch_export_with_dynamic_sizes():
+    """The fake implementations' checks hold for symbolic B and U from 0 up."""
+
+    class Step(torch.nn.Module):
+        def forward(self, w_c, w_u, e_c, e_u, q, k, v, x_c, x_u, weight, cand_to_user):
+            return ranking_step(w_c, w_u, e_c, e_u, q, k, v, x_c, x_u, weight, cand_to_user)
+
+    batch, users = torch.export.Dim("batch"), torch.export.Dim("users")
+    b, u = {0: batch}, {0: users}
+    generator = torch.Generator().manual_seed(25)
+    exported = torch.export.export(
+        Step(),
+        request_inputs(generator, 7, 3),
+        dynamic_shapes=(None, None, b, u, b, u, u, b, u, None, b),
+    )
+    for batch_size, num_users in [(11, 5), (2, 2), (0, 3)]:
+        inputs = request_inputs(generator, batch_size, num_users)
+        for got, want in zip(exported.module()(*inputs), ranking_step(*inputs)):
+            torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
