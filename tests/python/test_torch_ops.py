@@ -337,7 +337,7 @@ def test_writes_behind_the_version_counter():
         run(weight, cand_to_user)
         weight.mul_(-2)  # through the version counter
         run(weight, cand_to_user)
-        weight.data = torch.randn_like(weight)  # another storage
+        weight.data = randn(generator, tuple(weight.shape))  # another storage
         run(weight, cand_to_user)
         weight.data.mul_(-2)  # behind the version counter
         torch_ops.invalidate(weight)
@@ -382,7 +382,7 @@ def test_cuda_writes_behind_the_version_counter_need_invalidate():
     run()
     w_u.mul_(-2)
     run()
-    w_u.data = torch.randn_like(w_u)
+    w_u.data = torch.randn(w_u.shape, generator=torch.Generator().manual_seed(25)).to(w_u)
     run()
     w_u.data.mul_(3)
     torch_ops.invalidate(w_u)
