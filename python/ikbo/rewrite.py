@@ -49,7 +49,8 @@ broadcast left, where moving it would stop and why).
 Every rewrite is checked: the rewritten graph runs on copies of the sample
 inputs, from the module's buffers as they were, and its outputs and the
 buffers after the run must match the original's (relative Frobenius error
-per output within a dtype tolerance). A rewrite that fails alone is dropped,
+per output within a dtype tolerance t, and every element within
+t * (|expected| + 8 rms)). A rewrite that fails alone is dropped,
 with the moves it needed. Where the sample cannot tell a shared operand from
 a per-candidate one (a one-row tensor of a one-candidate request), or an
 in-place write may reach an operand the ikbo op reads, the consumer is left.
@@ -2144,6 +2145,17 @@ def _compare(expected: Any, actual: Any, tolerance: dict[torch.dtype, float]) ->
         if not error <= allowed:
             raise _Mismatch(
                 f"output {position} differs by relative error {error:.2e} > {allowed:.0e}"
+            )
+        # The norm alone would pass a few wrong elements among many right
+        # ones (a rewrite that feeds a small part of a large output): each
+        # element within allowed * (|e| + 8 rms), which rounding never nears.
+        want64, got64 = want[finite].double(), got[finite].double()
+        rms = want64.square().mean().sqrt() if want64.numel() else 0.0
+        outside = (got64 - want64).abs() > allowed * (want64.abs() + 8 * rms)
+        if outside.any():
+            raise _Mismatch(
+                f"output {position} has {int(outside.sum())} elements off by more than "
+                f"{allowed:.0e} * (|expected| + 8 rms)"
             )
         worst = max(worst, error)
     return worst

@@ -903,3 +903,15 @@ def test_torch_compile_backend_on_new_request_sizes():
             with torch.no_grad():
                 for got, want in zip(outputs, model(*inputs)):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_check_bounds_every_element():
+    """One element off by half among a thousand ones passes a 2% relative
+    Frobenius norm (1.6%) but not the per-element bound (0.02 * 9)."""
+    expected = torch.ones(1000)
+    actual = expected.clone()
+    actual[123] += 0.5
+    tolerance = {torch.float32: 0.02}
+    assert rewrite._compare(expected, expected.clone(), tolerance) == 0.0
+    with pytest.raises(rewrite._Mismatch, match="1 elements off by more than"):
+        rewrite._compare(expected, actual, tolerance)
