@@ -2161,6 +2161,12 @@ def _compare(expected: Any, actual: Any, tolerance: dict[torch.dtype, float]) ->
     return worst
 
 
+def _copies(values: Any) -> Any:
+    return tree_map(
+        lambda value: value.clone() if isinstance(value, torch.Tensor) else value, values
+    )
+
+
 class _Runner:
     """Runs graphs of one module on copies of the sample inputs, from the
     module's buffers as they were at the start, and returns the outputs with
@@ -2174,10 +2180,7 @@ class _Runner:
         self.buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
 
     def inputs(self) -> list[Any]:
-        return tree_map(
-            lambda value: value.clone() if isinstance(value, torch.Tensor) else value,
-            list(self.sample_inputs),
-        )
+        return _copies(list(self.sample_inputs))
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -2188,7 +2191,8 @@ class _Runner:
         self.restore()
         try:
             with torch.no_grad():
-                outputs = graph(*self.inputs())
+                # Copies: an output may be a buffer, which restore() rewrites.
+                outputs = _copies(graph(*self.inputs()))
             return outputs, [buffer.clone() for buffer, _ in self.buffers]
         finally:
             self.restore()
