@@ -2175,7 +2175,6 @@ class _Runner:
     buffer is compared too. The caller's inputs and buffers stay as they were."""
 
     def __init__(self, module: torch.nn.Module, sample_inputs: Sequence[Any]) -> None:
-        self.module = module
         self.sample_inputs = sample_inputs
         self.buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
 
@@ -2395,19 +2394,15 @@ def optimize(
 
 
 def _has_symbolic_shapes(graph_module: torch.fx.GraphModule) -> bool:
-    """Whether torch.compile traced ``graph_module`` with dynamic shapes: a
-    placeholder that is a size, or a tensor with a symbolic size."""
-    for node in graph_module.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        value = node.meta.get("example_value")
-        if isinstance(value, torch.SymInt):
-            return True
-        if isinstance(value, torch.Tensor) and any(
-            isinstance(size, torch.SymInt) for size in value.shape
-        ):
-            return True
-    return False
+    """Whether torch.compile traced ``graph_module`` with dynamic shapes: an
+    input that is a size, or a tensor with a symbolic size."""
+    values = [
+        node.meta.get("example_value")
+        for node in graph_module.graph.nodes
+        if node.op == "placeholder"
+    ]
+    sizes = [size for value in values if isinstance(value, torch.Tensor) for size in value.shape]
+    return any(isinstance(value, torch.SymInt) for value in (*values, *sizes))
 
 
 def make_backend(
