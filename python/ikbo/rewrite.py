@@ -59,9 +59,11 @@ and why.
 
 Entry points: :func:`optimize` (a module or exported program plus sample
 inputs) and :func:`backend` / :func:`make_backend` for ``torch.compile``.
-The backend rewrites graphs of static shapes: compile with ``dynamic=False``
-so that each request size gets its own graph; a graph traced with dynamic
-shapes is left as captured, with a warning.
+The backend rewrites graphs of dynamic shapes as well as static ones: one
+graph serves every request size, the rewritten ops read their sizes at run
+time, and a decision the pass takes on a size (two user counts equal, a
+reshape's leading size the candidate count) becomes one of the graph's
+guards, so a request where it would go otherwise is compiled anew.
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ import contextlib
 import copy
 import inspect
 import operator
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,6 +216,27 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(meta.shape) if meta is not None else None
 
 
+def _all_equal(sizes: Sequence[Any]) -> bool:
+    """Whether ``sizes`` are all equal. Sizes of a dynamic-shape graph are
+    SymInts: comparing them guards the compiled graph on the outcome, so
+    torch.compile recompiles, and the pass runs again, on a request where
+    it differs."""
+    return all(size == sizes[0] for size in sizes[1:])
+
+
+def _graph_size(node: Node) -> Any:
+    """The size a node of a torch.compile graph computes, as traced: an int,
+    or a SymInt where the graph has dynamic shapes; None for other nodes."""
+    value = node.meta.get("example_value")
+    return value if isinstance(value, torch.SymInt) or type(value) is int else None
+
+
+def _size_key(size: Any) -> Any:
+    """A size as a hashable value: an int, or a SymInt's symbolic expression
+    (equal for sizes the graph knows to be equal)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
 def _normalize_dim(dim: Any, ndim: int) -> int | None:
     if not isinstance(dim, int) or not -ndim <= dim < ndim:
         return None
@@ -252,12 +274,13 @@ class _Mapping:
     kind "index": ``source`` is the index node; "counts": ``source`` is the
     per-user counts node; "uniform": every one of ``num_users`` users has
     ``source`` consecutive candidates (an int, or a node computing one);
-    "single": one user, ``source`` is the number of candidates.
+    "single": one user, ``source`` is the number of candidates. Sizes are
+    kept as :func:`_size_key` gives them, so that mappings hash and compare.
     """
 
     kind: str
     source: Any
-    num_users: int = 0
+    num_users: Any = 0
 
     def describe(self) -> str:
         source = self.source.name if isinstance(self.source, Node) else self.source
@@ -358,7 +381,9 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
             repeats = size
         elif size != repeats:
             return None
-        return _Broadcast(node, unit, _Mapping("uniform", repeats, num_users), unit_dim=1)
+        return _Broadcast(
+            node, unit, _Mapping("uniform", repeats, _size_key(num_users)), unit_dim=1
+        )
 
     if len(source_shape) != len(shape):
         return None
@@ -374,9 +399,12 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
         if _integer_vector(repeats):
             return _Broadcast(node, source, _Mapping("counts", repeats))
         if isinstance(repeats, int) or (
-            isinstance(repeats, Node) and repeats.meta.get("type") is int
+            isinstance(repeats, Node)
+            and (repeats.meta.get("type") is int or _graph_size(repeats) is not None)
         ):
-            return _Broadcast(node, source, _Mapping("uniform", repeats, source_shape[0]))
+            return _Broadcast(
+                node, source, _Mapping("uniform", repeats, _size_key(source_shape[0]))
+            )
         return None
     # One row to B: with B = 1 in the sample the expand changes nothing there,
     # and a source of one row per candidate would pass for one user.
@@ -386,7 +414,7 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
         and source_shape[1:] == shape[1:]
         and (shape[0] > 1 or source.op == "get_attr")
     ):
-        return _Broadcast(node, source, _Mapping("single", shape[0]))
+        return _Broadcast(node, source, _Mapping("single", _size_key(shape[0])))
     return None
 
 
@@ -808,7 +836,9 @@ def _reads_candidate_count(value: Any, rows: int) -> bool:
     )
     if size_call and len(args) == 2 and not isinstance(args[1], Node) and args[1] == 0:
         return (_shape(args[0]) or (None,))[0] == rows
-    return False
+    # A size torch.compile traced: a graph input or an expression of sizes.
+    size = _graph_size(value)
+    return size is not None and size == rows
 
 
 def _getitem_keeps_rows(index: Any, rank: int) -> bool | None:
@@ -1093,7 +1123,7 @@ def _row_op(
         return None
     if len({source.mapping for source in sources}) != 1:
         return "takes operands gathered by different mappings"
-    if len({_shape(source.user)[0] for source in sources}) != 1:
+    if not _all_equal([_shape(source.user)[0] for source in sources]):
         return "takes operands gathered from different numbers of users"
     if out[0] != _shape(gathered)[0]:
         return "changes dim 0"
@@ -1553,7 +1583,7 @@ def _split_concat(
         raise _Skip(f"every operand of {concat.name} is per-user; no candidate operand", involved)
     if len({item.mapping for item in block}) != 1:
         raise _Skip(f"the operands of {concat.name} are broadcast by different mappings", involved)
-    if len({_shape(item.user)[0] for item in block}) != 1:
+    if not _all_equal([_shape(item.user)[0] for item in block]):
         raise _Skip(f"the user operands of {concat.name} have different user counts", involved)
     candidates = [operand for operand, item in zip(operands, found) if item is None]
     user_width = sum(_shape(item.node)[feature_dim] for item in block)
@@ -1561,12 +1591,22 @@ def _split_concat(
     return _ConcatSplit(list(block), candidates, user_first, user_width, candidate_width)
 
 
-def _column_blocks(context: _Context, weight: Node, split: _ConcatSplit) -> tuple[Node, Node]:
-    """Views (w_c, w_u) of a weight whose columns follow the concat's order."""
-    user_start = 0 if split.user_first else split.candidate_width
-    candidate_start = split.user_width if split.user_first else 0
-    w_u = context.insert(torch.narrow, weight, 1, user_start, split.user_width)
-    w_c = context.insert(torch.narrow, weight, 1, candidate_start, split.candidate_width)
+def _column_blocks(
+    context: _Context, weight: Node, split: _ConcatSplit, users: Node, candidates: Node
+) -> tuple[Node, Node]:
+    """Views (w_c, w_u) of a weight whose columns follow the concat's order;
+    a width a dynamic-shape graph leaves symbolic is read from the concat of
+    the ``users`` or ``candidates`` operands at run time."""
+
+    def width(value: Any, operand: Node) -> Any:
+        return value if isinstance(value, int) else context.graph.call_method("size", (operand, 1))
+
+    user_width = width(split.user_width, users)
+    candidate_width = width(split.candidate_width, candidates)
+    user_start = 0 if split.user_first else candidate_width
+    candidate_start = user_width if split.user_first else 0
+    w_u = context.insert(torch.narrow, weight, 1, user_start, user_width)
+    w_c = context.insert(torch.narrow, weight, 1, candidate_start, candidate_width)
     return w_c, w_u
 
 
@@ -1623,11 +1663,11 @@ def _match_lce(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match | None:
         matrix = weight
         if len(weight_shape) == 3:
             matrix = context.insert(torch.select, weight, 0, 0)
-        w_c, w_u = _column_blocks(context, matrix, split)
         users = [context.user(item) for item in split.broadcasts]
         index = context.index(split.broadcasts[0], users[0])
         e_u = context.concat(users, 1)
         e_c = context.concat(split.candidates, 1)
+        w_c, w_u = _column_blocks(context, matrix, split, e_u, e_c)
         return context.insert(torch.ops.ikbo.lce.default, w_c, w_u, e_c, e_u, index)
 
     detail = (
@@ -1694,11 +1734,11 @@ def _match_linear(
     )
 
     def build(context: _Context) -> Node:
-        w_c, w_u = _column_blocks(context, operands.node(context, operands.weight), split)
         users = [context.user(item) for item in split.broadcasts]
         index = context.index(split.broadcasts[0], users[0])
         x_u = context.concat(users, 1)
         x_c = context.concat(split.candidates, 1)
+        w_c, w_u = _column_blocks(context, operands.node(context, operands.weight), split, x_u, x_c)
         bias = operands.node(context, operands.bias)
         return context.insert(torch.ops.ikbo.linear.default, w_c, w_u, x_c, x_u, index, bias)
 
@@ -2175,7 +2215,11 @@ class _Runner:
     buffer is compared too. The caller's inputs and buffers stay as they were."""
 
     def __init__(self, module: torch.nn.Module, sample_inputs: Sequence[Any]) -> None:
-        self.sample_inputs = sample_inputs
+        # torch.compile passes the sizes of a dynamic graph as SymInts; the
+        # runs take the request's own sizes, their hints, and guard nothing.
+        self.sample_inputs = [
+            value.node.hint if isinstance(value, torch.SymInt) else value for value in sample_inputs
+        ]
         self.buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
 
     def inputs(self) -> list[Any]:
@@ -2393,18 +2437,6 @@ def optimize(
     return result
 
 
-def _has_symbolic_shapes(graph_module: torch.fx.GraphModule) -> bool:
-    """Whether torch.compile traced ``graph_module`` with dynamic shapes: an
-    input that is a size, or a tensor with a symbolic size."""
-    values = [
-        node.meta.get("example_value")
-        for node in graph_module.graph.nodes
-        if node.op == "placeholder"
-    ]
-    sizes = [size for value in values if isinstance(value, torch.Tensor) for size in value.shape]
-    return any(isinstance(value, torch.SymInt) for value in (*values, *sizes))
-
-
 def make_backend(
     compiler: str | Callable[..., Any] = "eager",
     *,
@@ -2415,20 +2447,16 @@ def make_backend(
     graph (checking it on the example inputs torch.compile passes), then hands
     the result to ``compiler``: ``"eager"`` runs it as is; any other name is a
     registered torch.compile backend (``"inductor"``, ``"aot_eager"``, ...), or
-    pass a backend callable."""
+    pass a backend callable.
+
+    Graphs traced with dynamic shapes (``dynamic=True``, or torch's automatic
+    dynamic shapes from the second request size on) are rewritten too: the
+    sizes the rewritten ops need are read at run time, and each decision the
+    pass takes on a size guards the compiled graph, so that a request where
+    it would go otherwise is compiled, and rewritten, anew."""
 
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list[Any]):
-        optimized = graph_module
-        if _has_symbolic_shapes(graph_module):
-            # The pass reasons about the sample's sizes; one graph for many
-            # request sizes could break what it verified on one of them.
-            warnings.warn(
-                "ikbo.rewrite: a graph with dynamic shapes is left as captured; compile with "
-                "dynamic=False so that each request size gets a static graph ikbo can rewrite",
-                stacklevel=2,
-            )
-        else:
-            optimized = optimize(graph_module, example_inputs, tolerance=tolerance, verbose=verbose)
+        optimized = optimize(graph_module, example_inputs, tolerance=tolerance, verbose=verbose)
         if compiler == "eager":
             return optimized.forward
         inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler

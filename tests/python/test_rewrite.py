@@ -3,8 +3,6 @@
 and attention consumers with ikbo ops, checking the result on sample inputs,
 and reporting what was left and why."""
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not importable; the rewrite pass needs it")
@@ -884,28 +882,126 @@ def test_exported_models_take_other_request_sizes():
     )
 
 
-def test_torch_compile_backend_on_new_request_sizes():
-    """dynamic=False: each request size gets a static graph, rewritten; with
-    automatic dynamic shapes the dynamic graph is left as captured, with a
-    warning, and stays correct."""
+class CountingBackend:
+    """rewrite.make_backend, keeping the report of each graph it compiles."""
+
+    def __init__(self, compiler="eager"):
+        self.reports = []
+        self.inner = rewrite.make_backend(compiler, verbose=False)
+
+    def __call__(self, graph_module, example_inputs):
+        optimize = rewrite.optimize
+
+        def keeping_reports(*args, **kwargs):
+            result = optimize(*args, **kwargs)
+            self.reports.append(result.ikbo_report)
+            return result
+
+        rewrite.optimize = keeping_reports
+        try:
+            return self.inner(graph_module, example_inputs)
+        finally:
+            rewrite.optimize = optimize
+
+
+def run_compiled(model, requests, dynamic, compiler="eager"):
+    """Compiles ``model`` with the ikbo backend, runs it on each request,
+    checks every output against the model's, and returns the reports of the
+    graphs compiled."""
+    torch._dynamo.reset()
+    backend = CountingBackend(compiler)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    for inputs in requests:
+        with torch.no_grad():
+            got, want = compiled(*inputs), model(*inputs)
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for actual, expected in zip(got, want):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    return backend.reports
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_torch_compile_backend_on_new_request_sizes(compiler):
+    """Every graph torch.compile traces is rewritten: one per request size
+    with dynamic=False; with automatic dynamic shapes a static graph for the
+    first size, then one graph with symbolic B and U that serves every later
+    size; with dynamic=True one graph from the start."""
     model = RankingModel().eval()
-    for dynamic in (False, None):
-        torch._dynamo.reset()
-        compiled = torch.compile(
-            model, backend=rewrite.make_backend(verbose=False), dynamic=dynamic
-        )
-        for seed, counts in enumerate(((2, 4, 1), (3, 3, 2, 1), (1, 5))):
-            inputs = tuple(request(seed=seed, counts=counts).values())
-            with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                outputs = compiled(*inputs)
-            dynamic_graph = any(
-                "dynamic shapes is left as captured" in str(w.message) for w in caught
-            )
-            assert dynamic_graph == (dynamic is None and seed == 1)
-            with torch.no_grad():
-                for got, want in zip(outputs, model(*inputs)):
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # No B or U equal to a feature size: dynamo would give them one symbol.
+    counts = ((2, 1, 1, 2, 1, 2, 1, 2, 1), (1,) * 7 + (2,) * 4, (3, 1) * 6 + (1,), (1, 2) * 9)
+    requests = [tuple(request(seed=seed, counts=c).values()) for seed, c in enumerate(counts)]
+    expected_graphs = {False: len(requests), None: 2, True: 1}
+    for dynamic, graphs in expected_graphs.items():
+        reports = run_compiled(model, requests, dynamic, compiler)
+        assert len(reports) == graphs, (dynamic, reports)
+        for report in reports:
+            assert sorted(item.op for item in report.rewritten) == [
+                "ikbo::attention",
+                "ikbo::lce",
+                "ikbo::linear",
+            ]
+            assert not report.left, report
+    # In the dynamic graph the weight split and the attention's S are symbolic.
+    assert "Kc=16 - s" in " ".join(item.detail for item in reports[0].rewritten)
+
+
+@pytest.mark.parametrize(
+    "spelling", ["repeat_interleave_int", "unsqueeze_expand_reshape", "expand_one_user"]
+)
+def test_dynamic_shape_graphs_move_gathers(spelling):
+    """Gathers spelled with sizes (R = B // U, B of one user) are found and
+    moved below the user tower in a graph with symbolic sizes, which then
+    serves every request size."""
+    model = TowerAfterGather(spelling).eval()
+    if spelling == "expand_one_user":
+        counts = [(7,), (11,), (13,)]
+    else:  # no B or U equal to a feature size: dynamo would give them one symbol
+        counts = [(2,) * 7, (3,) * 11, (2,) * 13]
+    requests = []
+    for seed, c in enumerate(counts):
+        inputs = request(seed=seed, counts=c)
+        requests.append((inputs["x_u"], inputs["x_c"], torch.tensor(c)))
+    (report,) = run_compiled(model, requests, dynamic=True)
+    (item,) = report.rewritten
+    assert item.op == "ikbo::linear" and len(item.moved) == 5 and not report.left
+
+
+def test_dynamic_shape_graphs_read_sizes_at_run_time():
+    """A view whose leading size torch.compile traced as a graph input (the
+    candidate count) is moved like one reading the gathered tensor's size."""
+    model = ProjectedHistory().eval()
+    counts = ((2, 1) * 3 + (4,), (1, 2) * 5 + (2,), (3, 1) * 6 + (1,))  # B, U no feature size
+    requests = [history_request(seed=seed, counts=c) for seed, c in enumerate(counts)]
+    (report,) = run_compiled(model, requests, dynamic=True)
+    (item,) = report.rewritten
+    assert item.op == "ikbo::attention" and len(item.moved) == 5 and not report.left
+
+
+def test_size_decisions_guard_the_compiled_graph():
+    """With duck shaping off, two user tensors of equal row counts in the
+    sample get distinct symbols: the pass's check that they are equal guards
+    the graph, so a request where they differ is compiled anew and that
+    graph leaves the concat of different user counts as it is."""
+
+    class TwoUserTensors(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4 + 4 + 3, 6)
+
+        def forward(self, a_u, b_u, x_c, cand_to_user):
+            users = torch.cat([a_u[cand_to_user], b_u[cand_to_user]], dim=-1)
+            return self.head(torch.cat([users, x_c], dim=-1))
+
+    model = TwoUserTensors().eval()
+    cand_to_user = torch.tensor([0, 0, 1, 2, 2, 2, 1])
+    same = (torch.randn(3, 4), torch.randn(3, 4), torch.randn(7, 3), cand_to_user)
+    more = (torch.randn(3, 4), torch.randn(5, 4), torch.randn(7, 3), cand_to_user)
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        first, second = run_compiled(model, [same, more], dynamic=True)
+    assert [item.op for item in first.rewritten] == ["ikbo::linear"]
+    assert not second.rewritten
+    (left,) = {item.reason for item in second.left}
+    assert "takes operands gathered from different numbers of users" in left, left
 
 
 def test_the_check_bounds_every_element():
