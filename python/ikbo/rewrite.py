@@ -2375,7 +2375,11 @@ def optimize(
             or a ``torch.export.ExportedProgram``. Put it in eval mode first.
         sample_inputs: positional inputs of a real request (real tensors, a
             valid mapping): shapes are read from this run, and the rewritten
-            graph must reproduce its outputs.
+            graph must reproduce its outputs. The result takes other request
+            sizes; where the pass relied on a relation between the sample's
+            sizes (user tensors of equal row counts, a reshape to the
+            candidate count), a request that breaks it is outside what was
+            checked. The torch.compile backend guards such relations instead.
         tolerance: relative Frobenius error allowed per output dtype
             (defaults: :data:`DEFAULT_TOLERANCE`).
         verbose: print the report.
