@@ -2446,12 +2446,14 @@ def make_backend(
     *,
     tolerance: dict[torch.dtype, float] | None = None,
     verbose: bool = True,
+    on_report: Callable[[RewriteReport], Any] | None = None,
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """A ``torch.compile`` backend that runs :func:`optimize` on each captured
     graph (checking it on the example inputs torch.compile passes), then hands
     the result to ``compiler``: ``"eager"`` runs it as is; any other name is a
     registered torch.compile backend (``"inductor"``, ``"aot_eager"``, ...), or
-    pass a backend callable.
+    pass a backend callable. ``on_report``, if given, receives the
+    :class:`RewriteReport` of each graph (``reports.append`` keeps them all).
 
     Graphs traced with dynamic shapes (``dynamic=True``, or torch's automatic
     dynamic shapes from the second request size on) are rewritten too: the
@@ -2461,6 +2463,8 @@ def make_backend(
 
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list[Any]):
         optimized = optimize(graph_module, example_inputs, tolerance=tolerance, verbose=verbose)
+        if on_report is not None:
+            on_report(optimized.ikbo_report)
         if compiler == "eager":
             return optimized.forward
         inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler

@@ -188,12 +188,46 @@ def test_comparison_and_model_records():
     assert records[1]["median_ms_cuda_graph"] is None
 
 
-@pytest.mark.skipif(
+requires_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and ikbo.built_with_cuda() and ikbo.cuda_device_count() > 0),
     reason=f"no CUDA device (torch.cuda.is_available() = {torch.cuda.is_available()}, "
     f"ikbo.built_with_cuda() = {ikbo.built_with_cuda()}, "
     f"ikbo.cuda_device_count() = {ikbo.cuda_device_count()})",
 )
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.float32), pytest.param("cuda", torch.float16, marks=requires_cuda)],
+)
+def test_torch_compile_serves_every_request_size(device, dtype):
+    """The model compiled with the ikbo backend (torch's default, automatic
+    dynamic shapes): a static graph for the first request, then one graph
+    with symbolic B and U for every later size, both rewritten."""
+    model = tiny_model(dtype).to(device)
+    reports = []
+    compiled = torch.compile(
+        model, backend=rewrite.make_backend(verbose=False, on_report=reports.append)
+    )
+    # No B or U equal to a layer width: dynamo would give them one symbol.
+    for seed, (num_candidates, ratio) in enumerate(((21, 3), (33, 3), (39, 3), (43, 3))):
+        request = run_module.make_request(
+            TINY, num_candidates, ratio, dtype, torch.device(device), seed=seed
+        )
+        with torch.no_grad():
+            expected, actual = model(*request), compiled(*request)
+        torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert len(reports) == 2
+    for report in reports:
+        assert not report.left
+        assert sorted(item.op for item in report.rewritten) == [
+            "ikbo::attention",
+            "ikbo::lce",
+            "ikbo::linear",
+        ]
+
+
+@requires_cuda
 def test_cuda_graph_replay_matches_eager_passes():
     device = torch.device("cuda")
     model = tiny_model(torch.float16).to(device)

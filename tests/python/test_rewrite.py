@@ -882,34 +882,13 @@ def test_exported_models_take_other_request_sizes():
     )
 
 
-class CountingBackend:
-    """rewrite.make_backend, keeping the report of each graph it compiles."""
-
-    def __init__(self, compiler="eager"):
-        self.reports = []
-        self.inner = rewrite.make_backend(compiler, verbose=False)
-
-    def __call__(self, graph_module, example_inputs):
-        optimize = rewrite.optimize
-
-        def keeping_reports(*args, **kwargs):
-            result = optimize(*args, **kwargs)
-            self.reports.append(result.ikbo_report)
-            return result
-
-        rewrite.optimize = keeping_reports
-        try:
-            return self.inner(graph_module, example_inputs)
-        finally:
-            rewrite.optimize = optimize
-
-
 def run_compiled(model, requests, dynamic, compiler="eager"):
     """Compiles ``model`` with the ikbo backend, runs it on each request,
     checks every output against the model's, and returns the reports of the
     graphs compiled."""
     torch._dynamo.reset()
-    backend = CountingBackend(compiler)
+    reports = []
+    backend = rewrite.make_backend(compiler, verbose=False, on_report=reports.append)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     for inputs in requests:
         with torch.no_grad():
@@ -917,7 +896,7 @@ def run_compiled(model, requests, dynamic, compiler="eager"):
         got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
         for actual, expected in zip(got, want):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    return backend.reports
+    return reports
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
