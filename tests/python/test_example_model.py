@@ -205,6 +205,8 @@ def test_torch_compile_serves_every_request_size(device, dtype):
     dynamic shapes): a static graph for the first request, then one graph
     with symbolic B and U for every later size, both rewritten."""
     model = tiny_model(dtype).to(device)
+    # Dynamo keeps what it learned of forward's sizes across models: start afresh.
+    torch._dynamo.reset()
     reports = []
     compiled = torch.compile(
         model, backend=rewrite.make_backend(verbose=False, on_report=reports.append)
