@@ -72,6 +72,7 @@ import contextlib
 import copy
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -1136,13 +1137,22 @@ def _row_op(
     return result
 
 
+def _output_size(broadcast: _Broadcast) -> dict[str, Any]:
+    """The ``output_size`` a gather by counts was given (it spares torch the
+    sum of the counts, a synchronization, and keeps the size traceable), as
+    keyword arguments for the calls that stand in for it."""
+    call = _recognize(broadcast.node) if broadcast.mapping.kind == "counts" else None
+    size = call.get("output_size") if call is not None else None
+    return {} if size is None else {"output_size": size}
+
+
 def _candidate_rows(per_user: torch.Tensor, kind: str, source: Any) -> int:
     """The candidate count of a broadcast of ``per_user`` by a mapping of
     ``kind`` (see :class:`_Mapping`) from ``source``."""
     if kind == "index":
         return source.shape[0]
     if kind == "counts":
-        return int(source.sum())
+        return source.sum().item()
     if kind == "uniform":
         return per_user.shape[0] * source
     return source
@@ -1331,7 +1341,9 @@ class _Sinker:
             return self.graph.call_function(torch.index_select, (per_user, 0, mapping.source))
         if mapping.kind in ("counts", "uniform"):
             return self.graph.call_function(
-                torch.repeat_interleave, (per_user, mapping.source), {"dim": 0}
+                torch.repeat_interleave,
+                (per_user, mapping.source),
+                {"dim": 0, **_output_size(broadcast)},
             )
         sizes = (self.rows_source(broadcast), *([-1] * (rank - 1)))
         return self.graph.call_method("expand", (per_user, *sizes))
@@ -1481,7 +1493,9 @@ class _Context:
             if mapping.kind == "index":
                 node = mapping.source
             elif mapping.kind == "counts":
-                node = self.insert(torch.repeat_interleave, mapping.source)
+                node = self.graph.call_function(
+                    torch.repeat_interleave, (mapping.source,), _output_size(broadcast)
+                )
             elif mapping.kind == "uniform":
                 node = self.insert(_uniform_user_index, user, mapping.source)
             else:
@@ -2441,6 +2455,10 @@ def optimize(
     return result
 
 
+def _leave(reason: str) -> None:
+    warnings.warn(f"ikbo.rewrite: a graph is left as captured: {reason}", stacklevel=3)
+
+
 def make_backend(
     compiler: str | Callable[..., Any] = "eager",
     *,
@@ -2453,7 +2471,13 @@ def make_backend(
     the result to ``compiler``: ``"eager"`` runs it as is; any other name is a
     registered torch.compile backend (``"inductor"``, ``"aot_eager"``, ...), or
     pass a backend callable. ``on_report``, if given, receives the
-    :class:`RewriteReport` of each graph (``reports.append`` keeps them all).
+    :class:`RewriteReport` of each graph (``reports.append`` keeps them all;
+    a graph dynamo traces twice, restarting its analysis, reports twice).
+
+    The backend never fails a compile that torch could do without it: a
+    graph it cannot check (sizes marked unbacked), a pass that raises, or a
+    ``compiler`` that fails on the rewritten graph leave the graph as
+    captured, with a warning that says why.
 
     Graphs traced with dynamic shapes (``dynamic=True``, or torch's automatic
     dynamic shapes from the second request size on) are rewritten too: the
@@ -2462,13 +2486,37 @@ def make_backend(
     it would go otherwise is compiled, and rewritten, anew."""
 
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list[Any]):
-        optimized = optimize(graph_module, example_inputs, tolerance=tolerance, verbose=verbose)
-        if on_report is not None:
-            on_report(optimized.ikbo_report)
+        optimized = graph_module
+        unknown = [
+            value
+            for value in example_inputs
+            if isinstance(value, torch.SymInt) and value.node.hint is None
+        ]
+        if unknown:
+            # Sizes marked unbacked (torch._dynamo.mark_unbacked): no value to
+            # check a rewrite on.
+            _leave(f"it takes sizes without a value to check a rewrite on ({unknown})")
+        else:
+            try:
+                optimized = optimize(
+                    graph_module, example_inputs, tolerance=tolerance, verbose=verbose
+                )
+            except Exception as error:  # noqa: BLE001 - the model must still compile
+                _leave(f"the pass failed: {type(error).__name__}: {error}")
+            else:
+                if on_report is not None:
+                    on_report(optimized.ikbo_report)
         if compiler == "eager":
             return optimized.forward
         inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler
-        return inner(optimized, example_inputs)
+        if optimized is not graph_module:
+            try:
+                return inner(optimized, example_inputs)
+            except torch._dynamo.exc.RestartAnalysis:
+                raise  # dynamo's request to trace the frame again, not a failure
+            except Exception as error:  # noqa: BLE001
+                _leave(f"{compiler} failed on the rewritten graph: {type(error).__name__}: {error}")
+        return inner(graph_module, example_inputs)
 
     return compile_graph
 

@@ -3,6 +3,8 @@
 and attention consumers with ikbo ops, checking the result on sample inputs,
 and reporting what was left and why."""
 
+import warnings
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not importable; the rewrite pass needs it")
@@ -884,15 +886,18 @@ def test_exported_models_take_other_request_sizes():
 
 def run_compiled(model, requests, dynamic, compiler="eager"):
     """Compiles ``model`` with the ikbo backend, runs it on each request,
-    checks every output against the model's, and returns the reports of the
-    graphs compiled."""
+    checks every output against the model's and that no graph was left as
+    captured, and returns the reports of the graphs compiled."""
     torch._dynamo.reset()
     reports = []
     backend = rewrite.make_backend(compiler, verbose=False, on_report=reports.append)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     for inputs in requests:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             got, want = compiled(*inputs), model(*inputs)
+        left = [str(item.message) for item in caught if "ikbo.rewrite" in str(item.message)]
+        assert not left, left
         got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
         for actual, expected in zip(got, want):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -981,6 +986,100 @@ def test_size_decisions_guard_the_compiled_graph():
     assert not second.rewritten
     (left,) = {item.reason for item in second.left}
     assert "takes operands gathered from different numbers of users" in left, left
+
+
+def test_row_counts_of_gathers_by_counts_trace_in_the_inner_compiler():
+    """repeat_interleave(x_u, counts) traced whole (dynamo capturing its
+    data-dependent size): the gather is moved below the user tower, and the
+    row count dynamo's graph reads of it is computed in a form aot_eager can
+    trace too."""
+    model = TowerAfterGather("repeat_interleave_counts").eval()
+    counts = (3, 1, 2, 3, 1, 2, 3)
+    inputs = request(counts=counts)
+    arguments = (inputs["x_u"], inputs["x_c"], torch.tensor(counts))
+    config = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}
+    for dynamic in (False, True):
+        with torch._dynamo.config.patch(config):
+            (report, *_) = run_compiled(model, [arguments], dynamic, "aot_eager")
+        assert [item.op for item in report.rewritten] == ["ikbo::linear"]
+
+
+def test_gathers_by_counts_keep_their_output_size():
+    """repeat_interleave(x_u, counts, output_size=B) traces without a
+    data-dependent size; the index and the gather the rewrite builds from it
+    keep output_size, so aot_eager traces the rewritten graph without a
+    graph break (which would drop the compile and leave the gather)."""
+
+    class KnownRows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tower = torch.nn.Linear(4, 6)
+            self.head = torch.nn.Linear(6 + 3, 5)
+
+        def forward(self, x_u, x_c, counts):
+            gathered = torch.repeat_interleave(x_u, counts, dim=0, output_size=x_c.shape[0])
+            return self.head(torch.cat([torch.relu(self.tower(gathered)), x_c], dim=-1))
+
+    requests = []
+    for seed, counts in enumerate(((3, 1, 2, 3, 1, 4, 3), (1, 2) * 6 + (5,), (4,) * 9)):
+        inputs = request(seed=seed, counts=counts)
+        requests.append((inputs["x_u"], inputs["x_c"], torch.tensor(counts)))
+    reports = run_compiled(KnownRows().eval(), requests, None, "aot_eager")
+    assert len(reports) == 2
+    for report in reports:
+        assert [item.op for item in report.rewritten] == ["ikbo::linear"] and not report.left
+
+
+def compiled_with_warnings(model, inputs, backend):
+    """The compiled model's outputs on ``inputs`` and the warnings it raised."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = compiled(*inputs)
+    return outputs, [str(item.message) for item in caught if "ikbo.rewrite" in str(item.message)]
+
+
+def test_backend_leaves_graphs_it_cannot_check_or_compile():
+    """The backend never fails a compile torch could do without it: a graph
+    it cannot check (sizes marked unbacked have no value), a pass that
+    fails, or an inner compiler refusing the rewritten graph leave the graph
+    as captured, with a warning; the outputs stay the model's."""
+    model, inputs = RankingModel().eval(), tuple(request().values())
+    with torch.no_grad():
+        expected = model(*inputs)
+
+    def check(backend, reason):
+        outputs, caught = compiled_with_warnings(model, inputs, backend)
+        assert len(caught) == 1 and reason in caught[0], caught
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    cand_to_user, e_c = inputs[-1], inputs[1]
+    torch._dynamo.decorators.mark_unbacked(cand_to_user, 0)
+    torch._dynamo.decorators.mark_unbacked(e_c, 0)
+    check(rewrite.make_backend(verbose=False), "sizes without a value to check a rewrite on")
+    inputs = tuple(request().values())  # unmarked
+
+    def refusing(graph_module, example_inputs):
+        if any(str(node.target).startswith("ikbo.") for node in graph_module.graph.nodes):
+            raise RuntimeError("no custom ops here")
+        return graph_module.forward
+
+    check(
+        rewrite.make_backend(refusing, verbose=False),
+        "failed on the rewritten graph: RuntimeError: no custom ops here",
+    )
+    optimize = rewrite.optimize
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a defect of the pass")
+
+    rewrite.optimize = failing
+    try:
+        check(rewrite.make_backend(verbose=False), "the pass failed: RuntimeError: a defect")
+    finally:
+        rewrite.optimize = optimize
 
 
 def test_the_check_bounds_every_element():
