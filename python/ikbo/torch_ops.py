@@ -83,6 +83,7 @@ stale map.
 
 from __future__ import annotations
 
+import atexit
 import math
 import weakref
 from collections import Counter
@@ -252,6 +253,11 @@ class _DerivedStateCache:
 
 
 _CACHE = _DerivedStateCache()
+# The library objects go at exit, before the interpreter tears modules down in
+# no set order: one still referenced then (as after some torch.compile runs)
+# would outlive the extension, which reports it as leaked; and a device
+# allocation is best freed while its CUDA context is alive.
+atexit.register(_CACHE.clear)
 
 
 def invalidate(tensor: torch.Tensor) -> None:
