@@ -156,7 +156,8 @@ void pad_k(const Tensor& src, const Tensor& dst, Stream stream) {
                   ", got ", dst.size(1));
   detail::check_no_overlap(dst, "dst", src, "src");
   const std::int64_t rows = src.size(0);
-  if (rows == 0) return;
+  // Nothing to write; an empty dst (and src) may have null data.
+  if (rows == 0 || dst.numel() == 0) return;
   const auto element = static_cast<std::int64_t>(dtype_size(src.dtype));
   const std::int64_t src_row = src.numel() / rows * element;
   const std::int64_t dst_row = dst.numel() / rows * element;

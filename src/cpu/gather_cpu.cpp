@@ -16,6 +16,8 @@ constexpr std::int64_t kParallelMinBytes = std::int64_t{1} << 20;
 }  // namespace
 
 void gather_rows(const GatherRowsArgs& args) {
+  // Empty tensors may have null data: memcpy of it is undefined even for 0 bytes.
+  if (args.rows == 0 || args.row_bytes == 0) return;
   auto* dst = static_cast<char*>(args.dst);
   const auto* src = static_cast<const char*>(args.src);
   const std::int32_t* index = args.index;

@@ -5,7 +5,8 @@
 //                         odd M and K (the reference widths among them),
 //                         unsorted maps, users without candidates, U = 1, N
 //                         not a multiple of 8; CUDA device 0.
-//   LceStaircasePadK      pad_k on the CPU and on CUDA: exact copy, zeros.
+//   LceStaircasePadK      pad_k on the CPU and on CUDA: exact copy, zeros,
+//                         K = 0 (null data).
 //   LceStaircaseCpu       the CUDA-only stages refuse CPU tensors clearly.
 //   LceSm90PublishedGrid  at the published grid's real sizes (B in {512,
 //                         1024}, M in {128, 433}, N = 256, Ku in {1024, 1025,
@@ -199,6 +200,19 @@ TEST_P(LceStaircasePadK, CopiesRowsAndZeroesThePadding) {
       std::copy_n(src.values.begin() + row * inner, inner, expected.begin() + row * padded_inner);
     }
     EXPECT_TRUE(exactly_equal(dst.values(), expected));
+  }
+}
+
+// K = 0: the empty tensors' pointers are null, nothing is read from them,
+// and the padding is all zeros (UBSan reported memcpy/memset of null).
+TEST_P(LceStaircasePadK, EmptySourceRowsBecomeAllPadding) {
+  const DeviceTensor src = DeviceTensor::filled(device(), DType::f16, {4, 0, 3}, 1.0);
+  for (const std::int64_t padded_k : {0, 8}) {
+    SCOPED_TRACE(testing::Message() << "dst K " << padded_k);
+    const DeviceTensor dst = DeviceTensor::poisoned(device(), DType::f16, {4, padded_k, 3});
+    baseline::pad_k(src.view(), dst.view());
+    const std::vector<double> zeros(static_cast<std::size_t>(4 * padded_k * 3), 0.0);
+    EXPECT_TRUE(exactly_equal(dst.values(), zeros));
   }
 }
 
