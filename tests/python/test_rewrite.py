@@ -1040,7 +1040,7 @@ def compiled_with_warnings(model, inputs, backend):
     return outputs, [str(item.message) for item in caught if "ikbo.rewrite" in str(item.message)]
 
 
-def test_backend_leaves_graphs_it_cannot_check_or_compile():
+def test_backend_leaves_graphs_it_cannot_check_or_compile(monkeypatch):
     """The backend never fails a compile torch could do without it: a graph
     it cannot check (sizes marked unbacked have no value), a pass that
     fails, or an inner compiler refusing the rewritten graph leave the graph
@@ -1070,16 +1070,12 @@ def test_backend_leaves_graphs_it_cannot_check_or_compile():
         rewrite.make_backend(refusing, verbose=False),
         "failed on the rewritten graph: RuntimeError: no custom ops here",
     )
-    optimize = rewrite.optimize
 
     def failing(*args, **kwargs):
         raise RuntimeError("a defect of the pass")
 
-    rewrite.optimize = failing
-    try:
-        check(rewrite.make_backend(verbose=False), "the pass failed: RuntimeError: a defect")
-    finally:
-        rewrite.optimize = optimize
+    monkeypatch.setattr(rewrite, "optimize", failing)
+    check(rewrite.make_backend(verbose=False), "the pass failed: RuntimeError: a defect")
 
 
 def test_the_check_bounds_every_element():
