@@ -1,6 +1,8 @@
 """CandidateMap, JaggedOffsets and LcePlan from Python: derived arrays,
 properties, and the library's validation messages arriving as ValueError."""
 
+import ast
+import pathlib
 import re
 
 import numpy as np
@@ -16,6 +18,24 @@ def test_build_info():
     if not ikbo.built_with_cuda():
         assert ikbo.cuda_device_count() == 0
     assert re.fullmatch(r"\d+\.\d+\.\d+", ikbo.__version__)
+
+
+def test_package_carries_type_information():
+    """PEP 561: the py.typed marker, and a stub of the extension that names
+    every public member of ikbo._C but the benchmark baselines."""
+    package = pathlib.Path(ikbo.__file__).parent
+    assert (package / "py.typed").is_file()
+    stub = ast.parse((package / "_C.pyi").read_text())
+    names = set()
+    for node in stub.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+    public = {name for name in dir(ikbo._C) if not name.startswith("_")} - {"baseline"}
+    assert public | {"__version__"} == names
 
 
 def test_candidate_map_derives_groups_of_an_unsorted_mapping():
