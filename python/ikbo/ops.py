@@ -17,6 +17,7 @@ written: an invalid one raises ``ValueError`` naming it, and a preallocated
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +46,13 @@ _FLOATS = "float16, bfloat16 or float32"
 def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
     """The object to hand to the bindings as argument `name`, which takes the
     dtypes `takes`: torch refuses to export tensors that require grad through
-    DLPack, and these inference ops have no backward."""
+    DLPack, and these inference ops have no backward; a torch negative view
+    (its values negated by a flag DLPack does not carry) is resolved."""
+    if not isinstance(tensor, np.ndarray) and not hasattr(tensor, "__dlpack__"):
+        raise TypeError(
+            f"{name} must be an array (numpy, or a DLPack tensor: torch, cupy, ...), "
+            f"got {type(tensor).__name__}"
+        )
     if isinstance(tensor, np.ndarray) and tensor.dtype.kind not in "biufc":
         # numpy exports only bool, integer, float and complex dtypes through
         # DLPack; nanobind would refuse the others (ml_dtypes' bfloat16 among
@@ -60,8 +67,11 @@ def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
             f"{name} has dtype {tensor.dtype.name}, which ikbo does not take: "
             f"{name} must be {takes}"
         )
-    if _is_torch(tensor) and tensor.requires_grad:
-        return tensor.detach()
+    if _is_torch(tensor):
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if tensor.is_neg():
+            tensor = tensor.resolve_neg()
     return tensor
 
 
@@ -70,12 +80,26 @@ def _writable_output(out: Array) -> Array:
     # "incompatible function arguments" TypeError.
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out must be writable, got a read-only numpy array")
+    if _is_torch(out) and out.is_neg():
+        raise ValueError(
+            "out must hold its values, got a torch negative view (its writes would be negated)"
+        )
     return _exportable(out, "out")
 
 
 def _int32_input(indices: Array | Sequence[int], name: str) -> Array:
     # A list or tuple goes as it is: the bindings make it an int32 array.
-    return _exportable(indices, name, "int32")
+    return indices if isinstance(indices, (list, tuple)) else _exportable(indices, name, "int32")
+
+
+def _scale(scale: Any) -> float | None:
+    """``scale`` as the bindings take it; a string is no number here."""
+    if scale is None:
+        return None
+    if not isinstance(scale, (str, bytes, bool)):
+        with contextlib.suppress(TypeError, ValueError):
+            return float(scale)
+    raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
 
 
 def _checked_shape(tensor: Array, name: str, rank: int) -> tuple[int, ...]:
@@ -154,9 +178,13 @@ def _allocate(like: Array, shape: tuple[int, ...], raw_bytes: bool = False) -> A
 def _candidate_map(
     cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
     num_users: int | None,
-    default_num_users: int,
+    rows: int,
+    rows_name: str,
     stream: int,
 ) -> _C.CandidateMap:
+    """The map given, or one built for the `rows` users of the tensor that
+    `rows_name` names (U, its dimension 0); an explicit `num_users` must
+    agree with it, checked before the map sizes anything by it."""
     if isinstance(cand_to_user_or_map, _C.CandidateMap):
         if num_users is not None and num_users != cand_to_user_or_map.num_users:
             raise ValueError(
@@ -164,11 +192,11 @@ def _candidate_map(
                 f"num_users = {cand_to_user_or_map.num_users}"
             )
         return cand_to_user_or_map
-    return _C.CandidateMap(
-        _int32_input(cand_to_user_or_map, "cand_to_user"),
-        default_num_users if num_users is None else num_users,
-        stream,
-    )
+    if num_users is not None and num_users != rows:
+        raise ValueError(f"num_users = {num_users} disagrees with {rows_name} = {rows} (U)")
+    if rows == 0:
+        raise ValueError(f"{rows_name} must be at least 1 (U, the users of the request), got 0")
+    return _C.CandidateMap(_int32_input(cand_to_user_or_map, "cand_to_user"), rows, stream)
 
 
 def lce(
@@ -207,7 +235,8 @@ def lce(
 
     Raises:
         ValueError: an invalid argument (message names it); ``out`` untouched.
-        TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
+        TypeError: an argument that is no array; no ``out`` and inputs of a
+            framework ikbo cannot allocate in.
     """
     e_c, e_u = _exportable(e_c, "e_c"), _exportable(e_u, "e_u")
     stream = _current_stream(e_c)
@@ -224,7 +253,9 @@ def lce(
     else:
         plan = _C.LcePlan(_exportable(w_c_or_plan, "w_c"), _exportable(w_u, "w_u"), stream)
     num_rows = _checked_shape(e_u, "e_u", 3)[0]
-    candidate_map = _candidate_map(cand_to_user_or_map, num_users, num_rows, stream)
+    candidate_map = _candidate_map(
+        cand_to_user_or_map, num_users, num_rows, "e_u dimension 0", stream
+    )
     # Validates e_c, e_u and the map against the plan, so nothing is allocated
     # from the shape of an invalid input.
     workspace_bytes = _C.lce_workspace_bytes(plan, e_c, e_u, candidate_map)
@@ -279,7 +310,8 @@ def linear(
 
     Raises:
         ValueError: an invalid argument (message names it); ``out`` untouched.
-        TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
+        TypeError: an argument that is no array; no ``out`` and inputs of a
+            framework ikbo cannot allocate in.
     """
     x_c, x_u = _exportable(x_c, "x_c"), _exportable(x_u, "x_u")
     stream = _current_stream(x_c)
@@ -296,20 +328,29 @@ def linear(
                 f"ku = {plan.ku}"
             )
     else:
+        weight = _exportable(weight_or_plan, "weight")
         if num_user_features is None:
-            num_user_features = _user_feature_count(weight_or_plan, x_c, x_u_shape)
+            num_user_features = _user_feature_count(weight, x_c, x_u_shape)
         plan = _C.LinearPlan.from_concatenated(
-            _exportable(weight_or_plan, "weight"),
+            weight,
             num_user_features,
             None if bias is None else _exportable(bias, "bias"),
             stream,
         )
-    candidate_map = _candidate_map(cand_to_user_or_map, None, x_u_shape[0], stream)
-    if len(x_c.shape) == 2:
-        # Sized from the row counts alone: a linear layer's kernel is short
-        # enough that exporting x_c and x_u a second time shows. _C.linear
-        # validates every argument before it writes anything.
-        workspace_bytes = _C.linear_workspace_bytes(plan, x_c.shape[0], x_u_shape[0])
+    candidate_map = _candidate_map(
+        cand_to_user_or_map, None, x_u_shape[0], "x_u dimension 0", stream
+    )
+    x_c_shape = tuple(x_c.shape)
+    if (
+        len(x_c_shape) == 2
+        and x_c_shape[0] == candidate_map.num_candidates
+        and x_u_shape[0] == candidate_map.num_users
+    ):
+        # Sized from the row counts alone, which the map vouches for: a
+        # linear layer's kernel is short enough that exporting x_c and x_u a
+        # second time shows. _C.linear validates every argument before it
+        # writes anything.
+        workspace_bytes = _C.linear_workspace_bytes(plan, x_c_shape[0], x_u_shape[0])
     else:
         # Raises the ValueError that names the argument.
         workspace_bytes = _C.linear_workspace_bytes(plan, x_c, x_u, candidate_map)
@@ -363,7 +404,8 @@ def attention(
 
     Raises:
         ValueError: an invalid argument (message names it); ``out`` untouched.
-        TypeError: no ``out`` and inputs of a framework ikbo cannot allocate in.
+        TypeError: an argument that is no array (or a ``scale`` that is no
+            number); no ``out`` and inputs of a framework ikbo cannot allocate in.
     """
     q, k, v = _exportable(q, "q"), _exportable(k, "k"), _exportable(v, "v")
     stream = _current_stream(q)
@@ -371,8 +413,12 @@ def attention(
     num_rows = _checked_shape(k, "k", 4 if kv_offsets is None else 3)[0]
     if kv_offsets is not None and not isinstance(kv_offsets, _C.JaggedOffsets):
         kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets, "kv_offsets"), num_rows, stream)
-    num_users = kv_offsets.num_users if kv_offsets is not None else num_rows
-    candidate_map = _candidate_map(cand_to_user_or_map, None, num_users, stream)
+    if kv_offsets is None:
+        candidate_map = _candidate_map(cand_to_user_or_map, None, num_rows, "k dimension 0", stream)
+    else:
+        candidate_map = _candidate_map(
+            cand_to_user_or_map, None, kv_offsets.num_users, "kv_offsets' users", stream
+        )
     # Validates q, k, v and the map, so nothing is allocated from the shape
     # of an invalid input; nonzero when the call's keys split across SMs.
     workspace_bytes = _C.attention_workspace_bytes(q, k, v, candidate_map, kv_offsets)
@@ -386,7 +432,7 @@ def attention(
         candidate_map,
         _writable_output(out),
         kv_offsets,
-        None if scale is None else float(scale),
+        _scale(scale),
         stream,
         workspace,
     )

@@ -5,8 +5,9 @@ Registered with :func:`torch.library.custom_op`, each with a fake (meta)
 implementation, so ``torch.compile(fullgraph=True)`` and ``torch.export`` trace
 them as single opaque nodes, and eager calls run the library on CPU or CUDA
 tensors of float16, bfloat16 or float32 (the library's own ``ValueError``
-messages reach the caller unchanged; a non-tensor argument raises
-``TypeError``). The fake implementations check what they can see (ranks,
+messages reach the caller unchanged; torch's dispatcher refuses a
+non-tensor argument by name, a ``RuntimeError``, and None for a required
+tensor raises ``TypeError``; a sparse tensor raises ``ValueError``). The fake implementations check what they can see (ranks,
 extents, dtypes, devices) as the library does, so tracing an invalid call
 raises the same kind of ``ValueError`` instead of giving it an output shape.
 Inputs may have any strides: a non-contiguous one is copied to the dense
@@ -308,6 +309,18 @@ def _check_tensors(**tensors: Any) -> None:
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
+
+
+def _dense(tensor: torch.Tensor, check: Callable[[], None]) -> torch.Tensor:
+    """``tensor`` in the dense row-major layout the kernels read. A copy is
+    made only after ``check`` (the op's shape checks) passed: an invalid
+    expanded view must not be materialized first."""
+    if tensor.is_contiguous():
+        return tensor
+    check()
+    return tensor.contiguous()
 
 
 def _check_index_dtype(tensor: torch.Tensor, name: str) -> None:
@@ -527,28 +540,33 @@ def _jagged_offsets(kv_offsets: torch.Tensor, total_rows: int) -> _C.JaggedOffse
     )
 
 
-def _lce_plan(w_c: torch.Tensor, w_u: torch.Tensor) -> _C.LcePlan:
-    return _CACHE.get(
-        "LcePlan",
-        (w_c, w_u),
-        (),
-        lambda: _C.LcePlan(w_c.detach().contiguous(), w_u.detach().contiguous(), _stream(w_c)),
-    )
+def _lce_plan(w_c: torch.Tensor, w_u: torch.Tensor, check: Callable[[], None]) -> _C.LcePlan:
+    """The cached plan of (w_c, w_u); a new one is built after ``check`` (the
+    op's shape checks), so that invalid weights are never copied."""
+
+    def build() -> _C.LcePlan:
+        check()
+        return _C.LcePlan(w_c.detach().contiguous(), w_u.detach().contiguous(), _stream(w_c))
+
+    return _CACHE.get("LcePlan", (w_c, w_u), (), build)
 
 
-def _linear_plan(w_c: torch.Tensor, w_u: torch.Tensor, bias: torch.Tensor | None) -> _C.LinearPlan:
-    weights = (w_c, w_u) if bias is None else (w_c, w_u, bias)
-    return _CACHE.get(
-        "LinearPlan",
-        weights,
-        (),
-        lambda: _C.LinearPlan(
+def _linear_plan(
+    w_c: torch.Tensor, w_u: torch.Tensor, bias: torch.Tensor | None, check: Callable[[], None]
+) -> _C.LinearPlan:
+    """As :func:`_lce_plan`, for (w_c, w_u, bias)."""
+
+    def build() -> _C.LinearPlan:
+        check()
+        return _C.LinearPlan(
             w_u.detach().contiguous(),
             w_c.detach().contiguous(),
             None if bias is None else bias.detach().contiguous(),
             _stream(w_c),
-        ),
-    )
+        )
+
+    weights = (w_c, w_u) if bias is None else (w_c, w_u, bias)
+    return _CACHE.get("LinearPlan", weights, (), build)
 
 
 # Replaying a captured graph with a new mapping would reuse the captured map.
@@ -574,9 +592,15 @@ def lce(
     _check_tensors(w_c=w_c, w_u=w_u, e_c=e_c, e_u=e_u, cand_to_user=cand_to_user)
     if _rows(e_u) == 0:  # no users, so no candidates: nothing for the library to do
         return _lce_fake(w_c, w_u, e_c, e_u, cand_to_user)
-    plan = _lce_plan(w_c, w_u)
+
+    def check() -> None:
+        _check_lce(w_c, w_u, e_c, e_u, cand_to_user)
+
+    if e_u.dim() != 3:  # U is read from it: its own message first
+        check()
+    plan = _lce_plan(w_c, w_u, check)
     mapping = candidate_map(cand_to_user, e_u.shape[0])
-    return _lce(plan, None, e_c.contiguous(), e_u.contiguous(), mapping)
+    return _lce(plan, None, _dense(e_c, check), _dense(e_u, check), mapping)
 
 
 @lce.register_fake
@@ -613,6 +637,12 @@ def attention(
         no_users = _rows(kv_offsets) <= 1
     if no_users:  # no candidates either: nothing for the library to do
         return _attention_fake(q, k, v, cand_to_user, kv_offsets, scale)
+
+    def check() -> None:
+        _check_attention(q, k, v, cand_to_user, kv_offsets, scale)
+
+    if k.dim() != (4 if kv_offsets is None else 3):  # U is read from it: its own message first
+        check()
     if kv_offsets is None:
         offsets, num_users = None, k.shape[0]
     else:
@@ -620,7 +650,12 @@ def attention(
         num_users = offsets.num_users
     mapping = candidate_map(cand_to_user, num_users)
     return _attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), mapping, kv_offsets=offsets, scale=scale
+        _dense(q, check),
+        _dense(k, check),
+        _dense(v, check),
+        mapping,
+        kv_offsets=offsets,
+        scale=scale,
     )
 
 
@@ -653,9 +688,15 @@ def linear(
     _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
     if _rows(x_u) == 0:  # no users, so no candidates: nothing for the library to do
         return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias)
-    plan = _linear_plan(w_c, w_u, bias)
+
+    def check() -> None:
+        _check_linear(w_c, w_u, x_c, x_u, cand_to_user, bias)
+
+    if x_u.dim() != 2:  # U is read from it: its own message first
+        check()
+    plan = _linear_plan(w_c, w_u, bias, check)
     mapping = candidate_map(cand_to_user, x_u.shape[0])
-    return _linear(plan, x_c.contiguous(), x_u.contiguous(), mapping)
+    return _linear(plan, _dense(x_c, check), _dense(x_u, check), mapping)
 
 
 @linear.register_fake

@@ -133,11 +133,14 @@ def test_lce_state_mismatches(lce_inputs):
         ValueError, match="num_users = 3 disagrees with the CandidateMap's num_users = 2"
     ):
         ikbo.lce(plan, None, e_c, e_u, candidate_map, num_users=3, out=out)
-    with pytest.raises(
-        ValueError,
-        match=re.escape("e_u dimension 0 must be 4 (num_users of the candidate map), got 2"),
-    ):
-        ikbo.lce(plan, None, e_c, e_u, cand_to_user, num_users=4, out=out)
+    # Checked against e_u before the map is built: a map sized by a huge
+    # num_users is never allocated.
+    for num_users in (4, 2**31 - 1):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"num_users = {num_users} disagrees with e_u dimension 0 = 2"),
+        ):
+            ikbo.lce(plan, None, e_c, e_u, cand_to_user, num_users=num_users, out=out)
     expect_untouched(out)
 
 
@@ -229,6 +232,65 @@ def test_scalar_where_the_wrappers_read_a_row_count(lce_inputs, attention_inputs
     with pytest.raises(ValueError, match=re.escape("k must have 3 dimensions, got 0 (shape [])")):
         ikbo.attention(q, scalar, scalar, cand_to_user, kv_offsets=[0, 2, 5], out=out)
     expect_untouched(out)
+
+
+def test_what_is_no_array_is_a_type_error_naming_the_argument(lce_inputs, attention_inputs):
+    w_c, w_u, e_c, _, cand_to_user, out = lce_inputs
+    for value in ([[1.0]], None, 1.0):
+        with pytest.raises(TypeError, match=r"e_u must be an array \(numpy, or a DLPack tensor"):
+            ikbo.lce(w_c, w_u, e_c, value, cand_to_user, out=out)
+    expect_untouched(out)
+    q, k, v, cand_to_user, out = attention_inputs
+    with pytest.raises(TypeError, match="k must be an array"):
+        ikbo.attention(q, k.tolist(), v, cand_to_user, out=out)
+    expect_untouched(out)
+    weight, x_c, x_u = np.ones((3, 5), np.float32), np.ones((3, 2), np.float32), np.ones((2, 3))
+    for arguments, name in (
+        ((weight.tolist(), x_c, x_u), "weight"),
+        ((weight, None, x_u), "x_c"),
+        ((weight, x_c, 1.0), "x_u"),
+    ):
+        with pytest.raises(TypeError, match=f"{name} must be an array"):
+            ikbo.linear(*arguments, [0, 1, 1])
+
+
+def test_scale_must_be_a_real_number(attention_inputs):
+    q, k, v, cand_to_user, out = attention_inputs
+    for scale in ("0.1", 1j, [0.1], True):
+        with pytest.raises(TypeError, match="scale must be a real number or None, got"):
+            ikbo.attention(q, k, v, cand_to_user, scale=scale, out=out)
+    expect_untouched(out)
+    ikbo.attention(q, k, v, cand_to_user, scale=np.float32(0.5), out=out)
+    assert_close(out, attention_reference(q, k, v, cand_to_user, scale=0.5), "float32")
+
+
+def test_a_request_without_users_names_the_user_tensor(lce_inputs, attention_inputs):
+    """U is read from e_u, x_u or k; with none of their rows the message
+    names that tensor, not a num_users the caller never passed."""
+    w_c, w_u, e_c, e_u, cand_to_user, out = lce_inputs
+    with pytest.raises(ValueError, match=re.escape("e_u dimension 0 must be at least 1 (U")):
+        ikbo.lce(w_c, w_u, e_c, e_u[:0], cand_to_user, out=out)
+    expect_untouched(out)
+    q, k, v, cand_to_user, out = attention_inputs
+    with pytest.raises(ValueError, match=re.escape("k dimension 0 must be at least 1 (U")):
+        ikbo.attention(q, k[:0], v[:0], cand_to_user, out=out)
+    expect_untouched(out)
+    with pytest.raises(ValueError, match=re.escape("x_u dimension 0 must be at least 1 (U")):
+        ikbo.linear(
+            np.ones((3, 5), np.float32),
+            np.ones((3, 2), np.float32),
+            np.ones((0, 3), np.float32),
+            [0, 0, 0],
+        )
+
+
+def test_linear_checks_the_rows_before_it_allocates():
+    """Without out, linear sizes its output and workspace from x_c's rows:
+    rows the map does not vouch for get the library's message first."""
+    # An output for x_c's rows would take 1 TiB.
+    weight, x_c = np.ones((2**16, 2), np.float32), np.ones((2**22, 1), np.float32)
+    with pytest.raises(ValueError, match=re.escape("x_c dimension 0 must be 3 (num_candidates")):
+        ikbo.linear(weight, x_c, np.ones((2, 1), np.float32), [0, 1, 1])
 
 
 def test_dtype_errors_list_what_the_argument_takes(lce_inputs, attention_inputs):

@@ -166,6 +166,42 @@ def test_argument_errors_name_the_argument():
         torch.ops.ikbo.attention(q, k, k, cand_to_user, torch.tensor([0.0, 1, 2, 4]))
 
 
+def test_shapes_layouts_and_views_the_ops_check_first():
+    """A 0-d user tensor gets its rank error (U is read from it); a sparse
+    tensor is refused by name; an invalid non-contiguous view is refused
+    before it is copied (here the copy would take 24 TiB); ikbo.lce on a
+    torch negative view reads its values negated, and refuses one as out."""
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(21))
+    scalar = torch.tensor(1.0)
+    with pytest.raises(ValueError, match=re.escape("e_u must have 3 dimensions, got 0")):
+        torch.ops.ikbo.lce(w_c, w_u, e_c, scalar, cand_to_user)
+    x_c, x_u = torch.ones(7, 2), torch.ones(3, 4)
+    with pytest.raises(ValueError, match=re.escape("x_u must have 2 dimensions, got 0")):
+        torch.ops.ikbo.linear(torch.ones(5, 2), torch.ones(5, 4), x_c, scalar, cand_to_user)
+    q = torch.zeros(7, 1, 1, 64)
+    for kv_offsets, rank in ((None, 4), (torch.tensor([0, 1, 2, 4]), 3)):
+        with pytest.raises(ValueError, match=re.escape(f"k must have {rank} dimensions, got 0")):
+            torch.ops.ikbo.attention(q, scalar, scalar, cand_to_user, kv_offsets)
+    with pytest.raises(ValueError, match="e_c must be a dense .strided. tensor, got layout"):
+        torch.ops.ikbo.lce(w_c, w_u, e_c.to_sparse(), e_u, cand_to_user)
+    # Valid calls first, so that the plans are cached and not what checks.
+    weights = torch.ones(5, 2), torch.ones(5, 4)
+    torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
+    torch.ops.ikbo.linear(*weights, x_c, x_u, cand_to_user)
+    huge = torch.ones(1, 6, 1).expand(2**20, 6, 2**20)  # Kc is 9
+    with pytest.raises(ValueError, match=re.escape("e_c dimension 1 must be 9")):
+        torch.ops.ikbo.lce(w_c, w_u, huge, e_u, cand_to_user)
+    rows = torch.ones(1, 2).expand(2**40, 2)
+    with pytest.raises(ValueError, match=re.escape("x_c dimension 0 must be 7")):
+        torch.ops.ikbo.linear(*weights, rows, x_u, cand_to_user)
+    # torch._neg_view is private; DLPack carries no negation flag.
+    expected = torch.ops.ikbo.lce(w_c, w_u, -e_c, e_u, cand_to_user)
+    got = ikbo.lce(w_c, w_u, torch._neg_view(e_c), e_u, cand_to_user)
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="out must hold its values, got a torch negative view"):
+        ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user, out=torch._neg_view(torch.empty_like(got)))
+
+
 def test_requests_without_users():
     """U = 0 is a valid request when B = 0 too (an empty output); with
     candidates, the error names the tensor that has no users."""
