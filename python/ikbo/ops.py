@@ -53,6 +53,11 @@ def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
             f"{name} must be an array (numpy, or a DLPack tensor: torch, cupy, ...), "
             f"got {type(tensor).__name__}"
         )
+    if isinstance(tensor, np.ndarray) and not tensor.dtype.isnative:
+        raise ValueError(
+            f"{name} has dtype {tensor.dtype.str}, of non-native byte order: pass "
+            f"{name}.astype('{tensor.dtype.newbyteorder('=').str}')"
+        )
     if isinstance(tensor, np.ndarray) and tensor.dtype.kind not in "biufc":
         # numpy exports only bool, integer, float and complex dtypes through
         # DLPack; nanobind would refuse the others (ml_dtypes' bfloat16 among
@@ -68,6 +73,8 @@ def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
             f"{name} must be {takes}"
         )
     if _is_torch(tensor):
+        if tensor.is_meta:
+            raise ValueError(f"{name} is a meta tensor, which holds no values")
         if tensor.requires_grad:
             tensor = tensor.detach()
         if tensor.is_neg():

@@ -284,8 +284,19 @@ def _stream(tensor: torch.Tensor) -> int:
     return torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
 
 
-def _as_int32(indices: torch.Tensor) -> torch.Tensor:
+def _as_int32(indices: torch.Tensor, name: str) -> torch.Tensor:
     if indices.dtype == torch.int64:
+        if indices.device.type == "cpu":
+            # Read here, where it costs nothing, the value the clamp below
+            # would hide from the library's message.
+            outside = ((indices < _INT32_MIN) | (indices > _INT32_MAX)).nonzero()
+            if len(outside):
+                position = tuple(outside[0].tolist())
+                index = position[0] if len(position) == 1 else list(position)
+                raise ValueError(
+                    f"{name}[{index}] = {indices[position].item()} is outside the int32 range "
+                    "the library takes"
+                )
         indices = indices.clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)
     return indices.detach().contiguous()
 
@@ -518,7 +529,9 @@ def candidate_map(cand_to_user: torch.Tensor, num_users: int) -> _C.CandidateMap
         "CandidateMap",
         (cand_to_user,),
         (num_users,),
-        lambda: _C.CandidateMap(_as_int32(cand_to_user), num_users, _stream(cand_to_user)),
+        lambda: _C.CandidateMap(
+            _as_int32(cand_to_user, "cand_to_user"), num_users, _stream(cand_to_user)
+        ),
     )
 
 
@@ -536,7 +549,9 @@ def _jagged_offsets(kv_offsets: torch.Tensor, total_rows: int) -> _C.JaggedOffse
         "JaggedOffsets",
         (kv_offsets,),
         (total_rows,),
-        lambda: _C.JaggedOffsets(_as_int32(kv_offsets), total_rows, _stream(kv_offsets)),
+        lambda: _C.JaggedOffsets(
+            _as_int32(kv_offsets, "kv_offsets"), total_rows, _stream(kv_offsets)
+        ),
     )
 
 

@@ -324,6 +324,14 @@ def test_dtype_errors_list_what_the_argument_takes(lce_inputs, attention_inputs)
     expect_untouched(out)
 
 
+def test_non_native_byte_order_is_refused_with_a_message(lce_inputs):
+    w_c, w_u, e_c, e_u, cand_to_user, out = lce_inputs
+    swapped = e_c.astype(e_c.dtype.newbyteorder("S"))
+    with pytest.raises(ValueError, match=r"e_c has dtype .f2, of non-native byte order: pass"):
+        ikbo.lce(w_c, w_u, swapped, e_u, cand_to_user, out=out)
+    expect_untouched(out)
+
+
 def test_numpy_bfloat16_is_refused_with_a_message(attention_inputs):
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed")
     q, k, v, cand_to_user, out = attention_inputs

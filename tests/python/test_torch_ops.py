@@ -148,9 +148,15 @@ def test_library_errors_reach_the_caller():
         torch.ops.ikbo.lce(w_c, w_u, e_c, e_u[:, :5], cand_to_user)
     with pytest.raises(ValueError, match="cand_to_user"):
         torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, torch.tensor([0, 1, 2, 3, 0, 0, 0]))
-    # 2**32 must not wrap to the valid index 0 when narrowed to int32.
-    with pytest.raises(ValueError, match="cand_to_user"):
+    # 2**32 must not wrap to the valid index 0 when narrowed to int32, and
+    # on the CPU the message gives the value itself.
+    with pytest.raises(ValueError, match=re.escape("cand_to_user[0] = 4294967296 is outside")):
         torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, torch.tensor([2**32, 0, 0, 0, 0, 0, 0]))
+    q, k = torch.zeros(7, 1, 1, 64), torch.zeros(4, 1, 64)
+    with pytest.raises(ValueError, match=re.escape("kv_offsets[3] = -8589934592 is outside")):
+        torch.ops.ikbo.attention(q, k, k, cand_to_user, torch.tensor([0, 1, 2, -(2**33)]))
+    with pytest.raises(ValueError, match="w_c is a meta tensor, which holds no values"):
+        ikbo.lce(w_c.to("meta"), w_u, e_c, e_u, cand_to_user)
     with pytest.raises(ValueError, match=re.escape("float64")):
         torch.ops.ikbo.lce(w_c.double(), w_u, e_c, e_u, cand_to_user)
 
