@@ -344,6 +344,11 @@ def linear(
             None if bias is None else _exportable(bias, "bias"),
             stream,
         )
+        if num_user_features != x_u_shape[1]:  # x_c would be named otherwise
+            raise ValueError(
+                f"num_user_features = {num_user_features} disagrees with x_u dimension 1 = "
+                f"{x_u_shape[1]} (Ku)"
+            )
     candidate_map = _candidate_map(
         cand_to_user_or_map, None, x_u_shape[0], "x_u dimension 0", stream
     )

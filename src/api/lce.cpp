@@ -19,8 +19,9 @@ detail::LceArgs check_inputs(const LcePlan& plan, const Tensor& e_c, const Tenso
   check_tensor(e_u, "e_u", weights.dtype, weights.device, 3);
   check_dim(e_c, "e_c", 1, weights.kc, "Kc of w_c");
   check_dim(e_u, "e_u", 1, weights.ku, "Ku of w_u");
-  check_dim(e_u, "e_u", 2, e_c.size(2), "N of e_c");
+  // e_c's N first: with N = 0 there, e_u is not the argument to blame.
   require(e_c.size(2) >= 1, "e_c dimension 2 (N) must be >= 1, got ", e_c.size(2));
+  check_dim(e_u, "e_u", 2, e_c.size(2), "N of e_c");
   detail::check_map(map, e_c, "e_c", &e_u, "e_u", weights.device, "the weights");
   if (!weights.device.is_cuda()) {
     // The CPU keeps the user partials as one [M, U * N] matrix.
@@ -43,8 +44,9 @@ LcePlan LcePlan::create(const Tensor& w_c, const Tensor& w_u, Stream stream) {
   check_float_dtype(w_c.dtype, "w_c");
   check_tensor(w_c, "w_c", w_c.dtype, w_c.device, 2);
   check_tensor(w_u, "w_u", w_c.dtype, w_c.device, 2);
-  check_dim(w_u, "w_u", 0, w_c.size(0), "M of w_c");
+  // w_c's M first: with M = 0 there, w_u is not the argument to blame.
   require(w_c.size(0) >= 1, "w_c dimension 0 (M) must be >= 1, got ", w_c.size(0));
+  check_dim(w_u, "w_u", 0, w_c.size(0), "M of w_c");
   require(w_c.size(1) >= 1, "w_c dimension 1 (Kc) must be >= 1, got ", w_c.size(1));
   require(w_u.size(1) >= 1, "w_u dimension 1 (Ku) must be >= 1, got ", w_u.size(1));
   const std::int64_t m = w_c.size(0), kc = w_c.size(1), ku = w_u.size(1);

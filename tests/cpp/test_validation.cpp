@@ -146,6 +146,11 @@ TEST_P(LceValidation, PlanRejectsBadWeightShapes) {
   no_k.shape[1] = 0;
   EXPECT_TRUE(throws_invalid_argument([&] { LcePlan::create(no_k, w_u); },
                                       {"w_c dimension 1 (Kc) must be >= 1, got 0"}));
+  // M = 0 in w_c is w_c's error, not w_u's (whose M is right).
+  Tensor no_m = w_c;
+  no_m.shape[0] = 0;
+  EXPECT_TRUE(throws_invalid_argument([&] { LcePlan::create(no_m, w_u); },
+                                      {"w_c dimension 0 (M) must be >= 1, got 0"}));
   Tensor vector_w_u(w_u.data, w_u.dtype, {LceOperands::m * LceOperands::ku}, w_u.device);
   EXPECT_TRUE(throws_invalid_argument([&] { LcePlan::create(w_c, vector_w_u); },
                                       {"w_u must have 2 dimensions, got 1"}));
@@ -178,6 +183,10 @@ TEST_P(LceValidation, NMustBePositive) {
   bad.e_c.shape[2] = 0;
   bad.e_u.shape[2] = 0;
   EXPECT_TRUE(bad.rejected_with({"e_c dimension 2 (N) must be >= 1, got 0"}));
+  // With e_u's N right, e_c is still the argument named.
+  LceCall bad_e_c = call();
+  bad_e_c.e_c.shape[2] = 0;
+  EXPECT_TRUE(bad_e_c.rejected_with({"e_c dimension 2 (N) must be >= 1, got 0"}));
 }
 
 TEST_P(LceValidation, OutMustHaveShapeBMN) {

@@ -284,6 +284,14 @@ def test_a_request_without_users_names_the_user_tensor(lce_inputs, attention_inp
         )
 
 
+def test_linear_names_a_user_feature_count_that_disagrees_with_x_u():
+    weight, x_c, x_u = np.ones((3, 5), np.float32), np.ones((3, 2), np.float32), np.ones((2, 3))
+    with pytest.raises(
+        ValueError, match=re.escape("num_user_features = 2 disagrees with x_u dimension 1 = 3")
+    ):
+        ikbo.linear(weight, x_c, x_u.astype(np.float32), [0, 1, 1], num_user_features=2)
+
+
 def test_linear_checks_the_rows_before_it_allocates():
     """Without out, linear sizes its output and workspace from x_c's rows:
     rows the map does not vouch for get the library's message first."""
