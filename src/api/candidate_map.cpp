@@ -65,6 +65,7 @@ CandidateMap CandidateMap::build(const std::int32_t* cand_to_user, std::int64_t 
           detail::kMaxExtent, "], got ", num_users);
   require(num_candidates == 0 || cand_to_user != nullptr,
           "cand_to_user is a null pointer but num_candidates = ", num_candidates);
+  detail::check_aligned(cand_to_user, alignof(std::int32_t), "cand_to_user");
   detail::check_cpu_index(device, "the CandidateMap");
   if (device.is_cuda()) detail::device::require(device, "CandidateMap device");
 
@@ -146,6 +147,7 @@ JaggedOffsets JaggedOffsets::build(const std::int32_t* offsets, std::int64_t num
   require(total_rows >= 0 && total_rows <= detail::kMaxExtent,
           "kv_offsets: total_rows must be in [0, ", detail::kMaxExtent, "], got ", total_rows);
   require(offsets != nullptr, "kv_offsets is a null pointer");
+  detail::check_aligned(offsets, alignof(std::int32_t), "kv_offsets");
   detail::check_cpu_index(device, "the JaggedOffsets");
   if (device.is_cuda()) detail::device::require(device, "JaggedOffsets device");
   require(offsets[0] == 0, "kv_offsets[0] must be 0, got ", offsets[0]);

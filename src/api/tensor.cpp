@@ -94,6 +94,12 @@ void check_tensor(const Tensor& tensor, std::string_view name, DType dtype, Devi
           device_name(tensor.device));
   require(count == 0 || tensor.data != nullptr, name, " is a null pointer but has shape ",
           tensor.shape_string());
+  check_aligned(tensor.data, dtype_size(dtype), name);
+}
+
+void check_aligned(const void* data, std::size_t alignment, std::string_view name) {
+  require(reinterpret_cast<std::uintptr_t>(data) % alignment == 0, name,
+          " must be aligned to its element size, ", alignment, " bytes, got address ", data);
 }
 
 void check_cpu_index(Device device, std::string_view name) {

@@ -34,10 +34,15 @@ inline constexpr std::int64_t kMaxElements = std::int64_t{1} << 58;
 // Largest extent of one dimension (kernels index rows and columns in int32).
 inline constexpr std::int64_t kMaxExtent = (std::int64_t{1} << 31) - 1;
 
-// Checks data non-null (unless the tensor is empty), dtype, device, rank,
-// non-negative extents and an element count the kernels can index.
+// Checks data non-null (unless the tensor is empty) and aligned to the
+// element size, dtype, device, rank, non-negative extents and an element
+// count the kernels can index.
 void check_tensor(const Tensor& tensor, std::string_view name, DType dtype, Device device,
                   int rank);
+// Checks that `data` is aligned to `alignment` bytes (its element size: the
+// kernels read it through typed pointers; a misaligned load is undefined on
+// the CPU and faults on a GPU).
+void check_aligned(const void* data, std::size_t alignment, std::string_view name);
 // Checks that a CPU device has index 0 (the CPU is one device); `name` is
 // what is on it.
 void check_cpu_index(Device device, std::string_view name);

@@ -220,6 +220,14 @@ TEST_P(CandidateMapOnDevice, RejectsBadSizesAndPointers) {
                               {"num_candidates", "got -1"}));
   EXPECT_TRUE(throws_invalid_argument([&] { CandidateMap::build(nullptr, 2, 1, device()); },
                                       {"cand_to_user is a null pointer"}));
+  // Misaligned int32 entries are refused before they are read.
+  const Ints padded = {0, 0, 0};
+  const auto* misaligned = reinterpret_cast<const std::int32_t*>(
+      reinterpret_cast<const char*>(padded.data()) + 1);
+  EXPECT_TRUE(throws_invalid_argument([&] { CandidateMap::build(misaligned, 2, 1, device()); },
+                                      {"cand_to_user must be aligned to its element size, 4"}));
+  EXPECT_TRUE(throws_invalid_argument([&] { JaggedOffsets::build(misaligned, 1, 0, device()); },
+                                      {"kv_offsets must be aligned to its element size, 4"}));
 }
 
 TEST_P(CandidateMapOnDevice, RejectsMapTensorOfWrongDtypeOrRank) {

@@ -211,6 +211,25 @@ TEST_P(LceValidation, NullDataPointersAreRejected) {
   EXPECT_TRUE(null_out.rejected_with({"out is a null pointer"}));
 }
 
+// A pointer one byte off its element size (a misaligned numpy array, say):
+// the kernels read through typed pointers, undefined on the CPU and a fault
+// on a GPU, so the call is refused before anything is read.
+TEST_P(LceValidation, MisalignedDataPointersAreRejected) {
+  const auto shifted = [](Tensor& tensor) {
+    tensor.data = static_cast<char*>(tensor.data) + 1;
+  };
+  LceCall bad_e_c = call();
+  shifted(bad_e_c.e_c);
+  EXPECT_TRUE(bad_e_c.rejected_with({"e_c must be aligned to its element size, 2 bytes"}));
+  LceCall bad_out = call();
+  shifted(bad_out.out);
+  EXPECT_TRUE(bad_out.rejected_with({"out must be aligned to its element size, 2 bytes"}));
+  Tensor w_c = operands().w_c.view();
+  shifted(w_c);
+  EXPECT_TRUE(throws_invalid_argument([&] { LcePlan::create(w_c, operands().w_u.view()); },
+                                      {"w_c must be aligned to its element size"}));
+}
+
 TEST_P(LceValidation, ShapesBeyondTheIndexableRangeAreRejected) {
   LceCall huge_extent = call();
   huge_extent.e_u =

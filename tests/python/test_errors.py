@@ -332,6 +332,29 @@ def test_dtype_errors_list_what_the_argument_takes(lce_inputs, attention_inputs)
     expect_untouched(out)
 
 
+def misaligned(array):
+    """A copy of ``array`` one byte off its element size."""
+    buffer = np.zeros(array.nbytes + 1, np.uint8)
+    copy = np.ndarray(array.shape, array.dtype, buffer=buffer, offset=1)
+    copy[...] = array
+    assert not copy.flags.aligned
+    return copy
+
+
+def test_misaligned_arrays_are_refused_with_a_message(lce_inputs):
+    w_c, w_u, e_c, e_u, cand_to_user, out = lce_inputs
+    with pytest.raises(ValueError, match="e_c must be aligned to its element size, 2 bytes"):
+        ikbo.lce(w_c, w_u, misaligned(e_c), e_u, cand_to_user, out=out)
+    expect_untouched(out)
+    with pytest.raises(ValueError, match="cand_to_user must be aligned to its element size"):
+        ikbo.lce(w_c, w_u, e_c, e_u, misaligned(cand_to_user), out=out)
+    expect_untouched(out)
+    shifted_out = misaligned(out)
+    with pytest.raises(ValueError, match="out must be aligned to its element size, 2 bytes"):
+        ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user, out=shifted_out)
+    expect_untouched(shifted_out)
+
+
 def test_non_native_byte_order_is_refused_with_a_message(lce_inputs):
     w_c, w_u, e_c, e_u, cand_to_user, out = lce_inputs
     swapped = e_c.astype(e_c.dtype.newbyteorder("S"))
