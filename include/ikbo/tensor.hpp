@@ -1,8 +1,9 @@
 // ikbo/tensor.hpp — the non-owning tensor view every op takes.
 //
 // A Tensor is a raw pointer plus dtype, device and shape. Data is dense and
-// row-major (the last dimension contiguous); bindings that accept strided
-// tensors must check contiguity before building a view. Views never own
+// row-major (the last dimension contiguous), at an address aligned to the
+// element size (ops refuse others); bindings that accept strided tensors
+// must check contiguity before building a view. Views never own
 // memory and never allocate.
 #pragma once
 

@@ -10,7 +10,8 @@ never allocates, and run on the framework's current CUDA stream
 stream, use the framework's stream context (``with torch.cuda.stream(s):``).
 
 Tensors are passed through DLPack without copies; they must be dense
-row-major. Every argument is validated by the library before anything is
+row-major and aligned to their element size (a numpy array over a byte
+buffer at an odd offset is not). Every argument is validated by the library before anything is
 written: an invalid one raises ``ValueError`` naming it, and a preallocated
 ``out`` is then left untouched.
 """
