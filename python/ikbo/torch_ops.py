@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import numbers
 import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -524,6 +525,8 @@ def candidate_map(cand_to_user: torch.Tensor, num_users: int) -> _C.CandidateMap
     """
     _check_tensors(cand_to_user=cand_to_user)
     _check_index_dtype(cand_to_user, "cand_to_user")
+    if isinstance(num_users, bool) or not isinstance(num_users, numbers.Integral):
+        raise TypeError(f"num_users must be an int, got {type(num_users).__name__}")
     num_users = int(num_users)
     return _CACHE.get(
         "CandidateMap",

@@ -356,6 +356,14 @@ def test_cache_entries_go_away_with_their_tensors():
     assert len(torch_ops._CACHE._entries) == entries
 
 
+def test_candidate_map_takes_an_int_count():
+    cand_to_user = torch.tensor([0, 1, 1])
+    for num_users in ("2", 2.0, True):
+        with pytest.raises(TypeError, match="num_users must be an int, got"):
+            torch_ops.candidate_map(cand_to_user, num_users)
+    assert torch_ops.candidate_map(cand_to_user, np.int64(2)).num_users == 2
+
+
 def test_candidate_map_is_the_shared_one():
     cand_to_user = torch.tensor([1, 1, 0], dtype=torch.int32)
     mapping = torch_ops.candidate_map(cand_to_user, 2)
