@@ -4,12 +4,13 @@ and ``torch.ops.ikbo.linear``.
 Registered with :func:`torch.library.custom_op`, each with a fake (meta)
 implementation, so ``torch.compile(fullgraph=True)`` and ``torch.export`` trace
 them as single opaque nodes, and eager calls run the library on CPU or CUDA
-tensors of float16, bfloat16 or float32 (the library's own ``ValueError``
-messages reach the caller unchanged; torch's dispatcher refuses a
-non-tensor argument by name, a ``RuntimeError``, and None for a required
-tensor raises ``TypeError``; a sparse tensor raises ``ValueError``). The fake implementations check what they can see (ranks,
-extents, dtypes, devices) as the library does, so tracing an invalid call
-raises the same kind of ``ValueError`` instead of giving it an output shape.
+tensors of float16, bfloat16 or float32. The library's own ``ValueError``
+messages reach the caller unchanged; torch's dispatcher refuses a non-tensor
+argument by name (``RuntimeError``), None for a required tensor raises
+``TypeError``, and a sparse tensor ``ValueError``. The fake implementations
+check what they can see (ranks, extents, dtypes, devices) as the library
+does, so tracing an invalid call raises the same kind of ``ValueError``
+instead of giving it an output shape.
 Inputs may have any strides: a non-contiguous one is copied to the dense
 row-major layout the kernels read.
 The ops are inference-only; backward through them raises.
@@ -704,6 +705,8 @@ def linear(
     fp32 and added in fp32, rounded once.
     """
     _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
+    if bias is not None:
+        _check_tensors(bias=bias)
     if _rows(x_u) == 0:  # no users, so no candidates: nothing for the library to do
         return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias)
 
