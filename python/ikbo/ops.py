@@ -19,6 +19,7 @@ written: an invalid one raises ``ValueError`` naming it, and a preallocated
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -193,6 +194,10 @@ def _candidate_map(
     """The map given, or one built for the `rows` users of the tensor that
     `rows_name` names (U, its dimension 0); an explicit `num_users` must
     agree with it, checked before the map sizes anything by it."""
+    if num_users is not None and (
+        isinstance(num_users, bool) or not isinstance(num_users, numbers.Integral)
+    ):
+        raise TypeError(f"num_users must be an int or None, got {type(num_users).__name__}")
     if isinstance(cand_to_user_or_map, _C.CandidateMap):
         if num_users is not None and num_users != cand_to_user_or_map.num_users:
             raise ValueError(

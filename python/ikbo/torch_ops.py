@@ -326,14 +326,16 @@ def _check_tensors(**tensors: Any) -> None:
             raise ValueError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
-def _dense(tensor: torch.Tensor, check: Callable[[], None]) -> torch.Tensor:
-    """``tensor`` in the dense row-major layout the kernels read. A copy is
-    made only after ``check`` (the op's shape checks) passed: an invalid
-    expanded view must not be materialized first."""
-    if tensor.is_contiguous():
-        return tensor
-    check()
-    return tensor.contiguous()
+def _checked_before_copies(
+    check: Callable[[], None], rows: torch.Tensor, rank: int, *tensors: torch.Tensor | None
+) -> None:
+    """Runs ``check`` (the op's shape checks) first where the op would read U
+    from ``rows`` of the wrong rank, or copy one of ``tensors`` to the dense
+    layout: an invalid expanded view must not be materialized."""
+    if rows.dim() != rank or not all(
+        tensor is None or tensor.is_contiguous() for tensor in tensors
+    ):
+        check()
 
 
 def _check_index_dtype(tensor: torch.Tensor, name: str) -> None:
@@ -615,11 +617,10 @@ def lce(
     def check() -> None:
         _check_lce(w_c, w_u, e_c, e_u, cand_to_user)
 
-    if e_u.dim() != 3:  # U is read from it: its own message first
-        check()
+    _checked_before_copies(check, e_u, 3, e_c, e_u, cand_to_user)
     plan = _lce_plan(w_c, w_u, check)
     mapping = candidate_map(cand_to_user, e_u.shape[0])
-    return _lce(plan, None, _dense(e_c, check), _dense(e_u, check), mapping)
+    return _lce(plan, None, e_c.contiguous(), e_u.contiguous(), mapping)
 
 
 @lce.register_fake
@@ -660,8 +661,8 @@ def attention(
     def check() -> None:
         _check_attention(q, k, v, cand_to_user, kv_offsets, scale)
 
-    if k.dim() != (4 if kv_offsets is None else 3):  # U is read from it: its own message first
-        check()
+    rank = 4 if kv_offsets is None else 3
+    _checked_before_copies(check, k, rank, q, k, v, cand_to_user, kv_offsets)
     if kv_offsets is None:
         offsets, num_users = None, k.shape[0]
     else:
@@ -669,12 +670,7 @@ def attention(
         num_users = offsets.num_users
     mapping = candidate_map(cand_to_user, num_users)
     return _attention(
-        _dense(q, check),
-        _dense(k, check),
-        _dense(v, check),
-        mapping,
-        kv_offsets=offsets,
-        scale=scale,
+        q.contiguous(), k.contiguous(), v.contiguous(), mapping, kv_offsets=offsets, scale=scale
     )
 
 
@@ -713,11 +709,10 @@ def linear(
     def check() -> None:
         _check_linear(w_c, w_u, x_c, x_u, cand_to_user, bias)
 
-    if x_u.dim() != 2:  # U is read from it: its own message first
-        check()
+    _checked_before_copies(check, x_u, 2, x_c, x_u, cand_to_user)
     plan = _linear_plan(w_c, w_u, bias, check)
     mapping = candidate_map(cand_to_user, x_u.shape[0])
-    return _linear(plan, _dense(x_c, check), _dense(x_u, check), mapping)
+    return _linear(plan, x_c.contiguous(), x_u.contiguous(), mapping)
 
 
 @linear.register_fake

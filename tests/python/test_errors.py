@@ -133,6 +133,9 @@ def test_lce_state_mismatches(lce_inputs):
         ValueError, match="num_users = 3 disagrees with the CandidateMap's num_users = 2"
     ):
         ikbo.lce(plan, None, e_c, e_u, candidate_map, num_users=3, out=out)
+    for num_users in (2.0, "2", True):
+        with pytest.raises(TypeError, match="num_users must be an int or None, got"):
+            ikbo.lce(plan, None, e_c, e_u, cand_to_user, num_users=num_users, out=out)
     # Checked against e_u before the map is built: a map sized by a huge
     # num_users is never allocated.
     for num_users in (4, 2**31 - 1):
