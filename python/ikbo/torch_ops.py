@@ -433,16 +433,16 @@ def _check_lce(w_c, w_u, e_c, e_u, cand_to_user) -> None:
     dtype, device = w_c.dtype, w_c.device
     _check_tensor(w_c, "w_c", dtype, device, 2)
     _check_tensor(w_u, "w_u", dtype, device, 2)
-    _check_dim(w_u, "w_u", 0, w_c.shape[0], "M of w_c")
     _check_positive(w_c, "w_c", 0, "M")
+    _check_dim(w_u, "w_u", 0, w_c.shape[0], "M of w_c")
     _check_positive(w_c, "w_c", 1, "Kc")
     _check_positive(w_u, "w_u", 1, "Ku")
     _check_tensor(e_c, "e_c", dtype, device, 3)
     _check_tensor(e_u, "e_u", dtype, device, 3)
     _check_dim(e_c, "e_c", 1, w_c.shape[1], "Kc of w_c")
     _check_dim(e_u, "e_u", 1, w_u.shape[1], "Ku of w_u")
-    _check_dim(e_u, "e_u", 2, e_c.shape[2], "N of e_c")
     _check_positive(e_c, "e_c", 2, "N")
+    _check_dim(e_u, "e_u", 2, e_c.shape[2], "N of e_c")
     _check_mapping(cand_to_user, e_c, "e_c", e_u, "e_u", "U", 1, device)
 
 
@@ -701,8 +701,6 @@ def linear(
     fp32 and added in fp32, rounded once.
     """
     _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
-    if bias is not None:
-        _check_tensors(bias=bias)
     if _rows(x_u) == 0:  # no users, so no candidates: nothing for the library to do
         return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias)
 

@@ -190,6 +190,10 @@ def test_shapes_layouts_and_views_the_ops_check_first():
             torch.ops.ikbo.attention(q, scalar, scalar, cand_to_user, kv_offsets)
     with pytest.raises(ValueError, match="e_c must be a dense .strided. tensor, got layout"):
         torch.ops.ikbo.lce(w_c, w_u, e_c.to_sparse(), e_u, cand_to_user)
+    with pytest.raises(ValueError, match="bias must be a dense .strided. tensor, got layout"):
+        torch.ops.ikbo.linear(
+            torch.ones(5, 2), torch.ones(5, 4), x_c, x_u, cand_to_user, torch.ones(5).to_sparse()
+        )
     # Valid calls first, so that the plans are cached and not what checks.
     weights = torch.ones(5, 2), torch.ones(5, 4)
     torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user)
