@@ -646,12 +646,16 @@ TEST_F(AttentionSm90Test, LogitsRisingAcrossBlocksTakeTheExactPath) {
       const std::vector<double> ping_pong = problem.run(Path::ping_pong);
       const std::vector<double> tall_or_whole = problem.run(Path::cooperative_lookahead);
       const std::vector<double> small_call = problem.run(Path::library_default);
-      // Logits this large leave some rows with near ties in P, whose
-      // rounding to the input type every schedule shares (max abs errors of
-      // 2.1-2.6e-3 in f16 in five runs, the same for every schedule): the
-      // ping-pong schedule, which has the old order, is the yardstick.
+      // Logits this large (up to ~1e4) carry fp32 accumulation errors of
+      // ~1e-2, which rows with near ties between their top keys turn into
+      // output errors every schedule shares: the ping-pong schedule, which
+      // has the old order, is the yardstick. Its max abs error in f16 in 64
+      // runs of each walk with fresh seeds on an H200: medians 1.2-1.8e-3,
+      // largest 4.5e-3 (2 of the 192 above 4e-3); in bf16 at most 4.0e-3.
       const double ping_pong_error = max_abs_error(ping_pong, expected);
-      EXPECT_LE(ping_pong_error, dtype == DType::f16 ? 4e-3 : 1.6e-2);
+      EXPECT_LE(ping_pong_error, dtype == DType::f16 ? 8e-3 : 1.6e-2);
+      std::cout << "[ sm90     ] rising_logits_" << keys.name << " " << dtype_name(dtype)
+                << ": max abs error ping-pong " << ping_pong_error << "\n";
       for (const std::vector<double>* out : {&ping_pong, &tall_or_whole, &small_call}) {
         EXPECT_TRUE(matches_reference(*out, expected, dtype));
         EXPECT_LE(max_abs_error(*out, expected), 1.25 * ping_pong_error + 2e-4);
