@@ -1764,19 +1764,27 @@ def _match_linear(
     return _Match(node, "ikbo::linear", split.broadcasts, detail, build)
 
 
-def _swaps_heads_and_tokens(node: Any) -> Node | None:
-    """The input of ``node`` when ``node`` only swaps dims 1 and 2 of a 4-D tensor."""
+def _swapped_input(node: Any, rank: int, first: int) -> Node | None:
+    """The input of ``node`` when ``node`` only swaps dims ``first`` and
+    ``first + 1`` of a ``rank``-D tensor."""
     call = _recognize(node) if isinstance(node, Node) else None
     shape = _shape(node)
-    if call is None or shape is None or len(shape) != 4:
+    if call is None or shape is None or len(shape) != rank:
         return None
     if call.kind == "transpose":
-        dims = {_normalize_dim(call.get("dim0"), 4), _normalize_dim(call.get("dim1"), 4)}
-        return call.get("input") if dims == {1, 2} else None
+        dims = {_normalize_dim(call.get("dim0"), rank), _normalize_dim(call.get("dim1"), rank)}
+        return call.get("input") if dims == {first, first + 1} else None
     if call.kind == "permute":
-        dims = tuple(_normalize_dim(dim, 4) for dim in call.get("dims") or ())
-        return call.get("input") if dims == (0, 2, 1, 3) else None
+        swapped = list(range(rank))
+        swapped[first], swapped[first + 1] = first + 1, first
+        dims = [_normalize_dim(dim, rank) for dim in call.get("dims") or ()]
+        return call.get("input") if dims == swapped else None
     return None
+
+
+def _swaps_heads_and_tokens(node: Any) -> Node | None:
+    """The input of ``node`` when ``node`` only swaps dims 1 and 2 of a 4-D tensor."""
+    return _swapped_input(node, 4, 1)
 
 
 def _to_ikbo_layout(context: _Context, node: Node) -> Node:
@@ -1868,6 +1876,186 @@ def _match_attention(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match |
 
     detail = f"H={query_shape[1]}, D={query_shape[3]}, S={key_shape[2]}"
     return _Match(node, "ikbo::attention", [key[0], value[0]], detail, build)
+
+
+_MultiheadAttention = torch.nn.MultiheadAttention
+
+
+@dataclass
+class _MhaCall:
+    """An ``nn.MultiheadAttention`` call, or ``F.multi_head_attention_forward``
+    (the form torch.compile records): its arguments by the functional form's
+    names, defaults included. Weights are nodes, or for a module call
+    attribute paths (``"attn.in_proj_weight"``) read with get_attr, or None."""
+
+    arguments: dict[str, Any]
+    seq_first: bool  # query, key, value and the output are [L, B, E], not [B, L, E]
+    weight_dtype: torch.dtype | None
+
+    def get(self, name: str) -> Any:
+        return self.arguments.get(name)
+
+    def node(self, context: _Context, name: str) -> Node | None:
+        operand = self.arguments.get(name)
+        return context.graph.get_attr(operand) if isinstance(operand, str) else operand
+
+
+def _bound_arguments(target: Callable, node: Node) -> dict[str, Any] | None:
+    try:
+        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _mha_call(node: Node, module: torch.nn.Module) -> _MhaCall | None:
+    if node.op == "call_function" and node.target is F.multi_head_attention_forward:
+        arguments = _bound_arguments(F.multi_head_attention_forward, node)
+        if arguments is None:
+            return None
+        return _MhaCall(arguments, True, _dtype_of(arguments.get("out_proj_weight")))
+    if node.op != "call_module":
+        return None
+    try:
+        submodule = module.get_submodule(node.target)
+    except AttributeError:
+        return None
+    if type(submodule) is not _MultiheadAttention:
+        return None
+    arguments = _bound_arguments(submodule.forward, node)
+    if arguments is None:
+        return None
+
+    def attribute(name: str) -> str | None:
+        return f"{node.target}.{name}" if submodule.get_parameter(name) is not None else None
+
+    separate = not submodule._qkv_same_embed_dim
+    arguments.update(
+        num_heads=submodule.num_heads,
+        bias_k=submodule.bias_k,
+        bias_v=submodule.bias_v,
+        add_zero_attn=submodule.add_zero_attn,
+        dropout_p=submodule.dropout,
+        training=submodule.training,
+        use_separate_proj_weight=separate,
+        in_proj_bias=attribute("in_proj_bias") if submodule.in_proj_bias is not None else None,
+        out_proj_weight=f"{node.target}.out_proj.weight",
+        out_proj_bias=(
+            f"{node.target}.out_proj.bias" if submodule.out_proj.bias is not None else None
+        ),
+    )
+    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight") if separate else ():
+        arguments[name] = attribute(name)
+    if not separate:
+        arguments["in_proj_weight"] = attribute("in_proj_weight")
+    return _MhaCall(arguments, not submodule.batch_first, submodule.out_proj.weight.dtype)
+
+
+def _output_without_weights(out: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """What ``nn.MultiheadAttention`` returns when its weights are not read."""
+    return out, None
+
+
+def _match_mha(
+    node: Node, broadcasts: dict[Node, _Broadcast], module: torch.nn.Module
+) -> _Match | None:
+    call = _mha_call(node, module)
+    if call is None:
+        return None
+
+    def operand(name: str) -> _Broadcast | None:
+        value = call.get(name)
+        inner = _swapped_input(value, 3, 0) if call.seq_first else value
+        return broadcasts.get(inner) if isinstance(inner, Node) else None
+
+    key, value = operand("key"), operand("value")
+    if key is None and value is None:
+        return None
+    involved = [found for found in (key, value) if found is not None]
+
+    def skip(reason: str) -> _Skip:
+        return _Skip(reason, involved)
+
+    if key is None or value is None:
+        raise skip("only one of K and V is broadcast; ikbo attention needs both per user")
+    if key.mapping != value.mapping:
+        raise skip("K and V are broadcast by different mappings")
+    for name, what in (
+        ("key_padding_mask", "a key_padding_mask"),
+        ("attn_mask", "an attn_mask"),
+        ("bias_k", "bias_k (add_bias_kv)"),
+        ("static_k", "static_k"),
+        ("static_v", "static_v"),
+    ):
+        if call.get(name) is not None:
+            raise skip(f"it has {what}; ikbo attention masks only past a user's length")
+    if call.get("add_zero_attn") is not False or call.get("is_causal") is not False:
+        raise skip("it is causal or adds a zero key (add_zero_attn); ikbo attention does neither")
+    dropout = call.get("dropout_p")
+    if call.get("training") is not False and dropout != 0:
+        raise skip(f"it has dropout_p={_describe(dropout)} in training; ikbo has no dropout")
+    for user in node.users:
+        output = user.op == "call_function" and user.target is operator.getitem
+        if not output or (user.args[1] != 0 and user.users):
+            raise skip(
+                f"its attention weights are read ({_describe(user)}); ikbo attention "
+                "returns the output alone"
+            )
+    query_shape, key_shape = _shape(call.get("query")), _shape(call.get("key"))
+    if query_shape is None or key_shape is None or len(query_shape) != 3 or len(key_shape) != 3:
+        raise skip("its query or key is not batched 3-D")
+    batch = 1 if call.seq_first else 0
+    if query_shape[batch] != key_shape[batch]:
+        raise skip(f"query has batch {query_shape[batch]}, the broadcast K/V {key_shape[batch]}")
+    embed_dim, heads = query_shape[2], call.get("num_heads")
+    if type(embed_dim) is not int or type(heads) is not int or embed_dim % heads:
+        raise skip(f"embed dim {embed_dim} over {_describe(heads)} heads")
+    head_dim = embed_dim // heads
+    if head_dim not in _ATTENTION_HEAD_DIMS:
+        dims = ", ".join(map(str, _ATTENTION_HEAD_DIMS))
+        raise skip(f"head dim D={head_dim}; ikbo attention takes D in {{{dims}}}")
+    _dtype_check(
+        [call.weight_dtype, *(_dtype_of(item) for item in (call.get("query"), key.user, value.user))],
+        "query, keys, values and weights",
+        involved,
+    )
+
+    def build(context: _Context) -> Node:
+        def project(features: Node, weight: Node | None, bias: Node | None, block: int) -> Node:
+            if not call.get("use_separate_proj_weight"):
+                weight = context.insert(torch.narrow, weight, 0, block * embed_dim, embed_dim)
+            if bias is not None:
+                bias = context.insert(torch.narrow, bias, 0, block * embed_dim, embed_dim)
+            projected = context.insert(F.linear, features, weight, bias)
+            return context.insert(torch.unflatten, projected, -1, (heads, head_dim))
+
+        packed = call.node(context, "in_proj_weight")
+        bias = call.node(context, "in_proj_bias")
+        query = call.get("query")
+        if call.seq_first:
+            query = _swapped_input(query, 3, 0) or context.insert(torch.transpose, query, 0, 1)
+        per_user = [context.user(key), context.user(value)]
+        q = project(query, packed or call.node(context, "q_proj_weight"), bias, 0)
+        k = project(per_user[0], packed or call.node(context, "k_proj_weight"), bias, 1)
+        v = project(per_user[1], packed or call.node(context, "v_proj_weight"), bias, 2)
+        index = context.index(key, per_user[0])
+        out = context.insert(torch.ops.ikbo.attention.default, q, k, v, index, None, None)
+        out = context.insert(
+            F.linear,
+            context.insert(torch.flatten, out, 2),
+            call.node(context, "out_proj_weight"),
+            call.node(context, "out_proj_bias"),
+        )
+        if call.seq_first:
+            out = context.insert(torch.transpose, out, 0, 1)
+        return context.insert(_output_without_weights, out)
+
+    detail = (
+        f"multi-head attention H={heads}, D={head_dim}, S={key_shape[1 - batch]}; "
+        "its K/V projections run once per user"
+    )
+    return _Match(node, "ikbo::attention", [key, value], detail, build)
 
 
 # ---------------------------------------------------------------------------
@@ -1969,6 +2157,7 @@ def _find_matches(
         lambda node: _match_lce(node, matchable),
         lambda node: _match_linear(node, matchable, module),
         lambda node: _match_attention(node, matchable),
+        lambda node: _match_mha(node, matchable, module),
     )
     matches: list[_Match] = []
     for node in module.graph.nodes:
