@@ -25,7 +25,17 @@ Rewritten consumers (weights may be parameters or graph inputs):
 - attention: ``scaled_dot_product_attention(q, K, V)`` with K and V broadcast
   by one mapping (no mask, no dropout, not causal) becomes ``ikbo::attention``;
   SDPA's ``[B, H, L, D]`` layout is transposed to ikbo's ``[B, L, H, D]`` and
-  back, and transposes that cancel are dropped.
+  back, and transposes that cancel are dropped;
+- multi-head attention: an ``nn.MultiheadAttention`` call (or
+  ``F.multi_head_attention_forward``, the form torch.compile records) whose
+  key and value are broadcast by one mapping (batch-first, or seq-first
+  through a transpose of the broadcast) becomes its query projection,
+  K/V projections of the per-user tensors (run once per user),
+  ``ikbo::attention`` and its output projection, where its attention
+  weights are not read and it has no mask, no dropout in training, no
+  ``add_bias_kv`` or ``add_zero_attn``. torch.export decomposes the module
+  into ops that merge the batch with the heads, which the pass does not
+  follow.
 
 Before matching, a broadcast is moved below the ops after it that compute
 each row from the same row alone, ``f(x_u[idx]) == f(x_u)[idx]``, so that
@@ -2016,7 +2026,10 @@ def _match_mha(
         dims = ", ".join(map(str, _ATTENTION_HEAD_DIMS))
         raise skip(f"head dim D={head_dim}; ikbo attention takes D in {{{dims}}}")
     _dtype_check(
-        [call.weight_dtype, *(_dtype_of(item) for item in (call.get("query"), key.user, value.user))],
+        [
+            call.weight_dtype,
+            *(_dtype_of(item) for item in (call.get("query"), key.user, value.user)),
+        ],
         "query, keys, values and weights",
         involved,
     )
@@ -2486,7 +2499,8 @@ def _left_reason(
         users = ", ".join(_describe(user) for user in node.users)
         text = (
             f"used by {users or 'nothing'}, which ikbo does not rewrite (it takes an LCE "
-            "bmm/matmul or a linear over a concat with candidate tensors, or SDPA K/V)"
+            "bmm/matmul or a linear over a concat with candidate tensors, or the K/V of "
+            "SDPA or nn.MultiheadAttention)"
         )
     return "; ".join([text, *(note for note in dict.fromkeys(notes) if note not in text)])
 

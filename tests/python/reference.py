@@ -106,3 +106,19 @@ def attention_reference(
 
 def jagged_offsets(lengths: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def requires_torch_cuda(torch):
+    """A pytest mark that skips a test, saying why, unless torch tensors can
+    run on ikbo's CUDA backend here."""
+    import pytest
+
+    import ikbo
+
+    state = (
+        f"torch.cuda.is_available() = {torch.cuda.is_available()}, "
+        f"ikbo.built_with_cuda() = {ikbo.built_with_cuda()}, "
+        f"ikbo.cuda_device_count() = {ikbo.cuda_device_count()}"
+    )
+    usable = torch.cuda.is_available() and ikbo.built_with_cuda() and ikbo.cuda_device_count() > 0
+    return pytest.mark.skipif(not usable, reason=f"no CUDA device ({state})")

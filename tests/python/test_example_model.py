@@ -15,8 +15,8 @@ torch = pytest.importorskip(
 )
 # ikbo's own modules and the example's are imported plainly: one that fails
 # to import must fail these tests, not skip them.
-import ikbo
 from ikbo import bench, rewrite
+from reference import requires_torch_cuda
 
 F = torch.nn.functional
 
@@ -188,12 +188,7 @@ def test_comparison_and_model_records():
     assert records[1]["median_ms_cuda_graph"] is None
 
 
-requires_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and ikbo.built_with_cuda() and ikbo.cuda_device_count() > 0),
-    reason=f"no CUDA device (torch.cuda.is_available() = {torch.cuda.is_available()}, "
-    f"ikbo.built_with_cuda() = {ikbo.built_with_cuda()}, "
-    f"ikbo.cuda_device_count() = {ikbo.cuda_device_count()})",
-)
+requires_cuda = requires_torch_cuda(torch)
 
 
 @pytest.mark.parametrize(

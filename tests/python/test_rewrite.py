@@ -8,8 +8,11 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not importable; the rewrite pass needs it")
+from torch.fx.passes.shape_prop import ShapeProp
+
 # After torch's check; a failing import of ikbo's own modules must fail.
 from ikbo import rewrite, torch_ops
+from reference import requires_torch_cuda
 
 F = torch.nn.functional
 
@@ -1088,3 +1091,154 @@ def test_the_check_bounds_every_element():
     assert rewrite._compare(expected, expected.clone(), tolerance) == 0.0
     with pytest.raises(rewrite._Mismatch, match="1 elements off by more than"):
         rewrite._compare(expected, actual, tolerance)
+
+
+# ---- nn.MultiheadAttention over a replicated history ----
+
+MHA_EMBED, MHA_SEEDS = 128, 4  # two heads of D = 64
+
+
+def mha_request(seed=0, counts=COUNTS, key_dim=MHA_EMBED):
+    """Seed queries per candidate [B, L, E], two user histories [U, S, E_kv]."""
+    generator = torch.Generator().manual_seed(seed)
+    num_candidates = sum(counts)
+    return (
+        torch.randn(num_candidates, MHA_SEEDS, MHA_EMBED, generator=generator),
+        torch.randn(len(counts), HISTORY, key_dim, generator=generator),
+        torch.randn(len(counts), HISTORY, key_dim, generator=generator),
+        torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)),
+    )
+
+
+class HistoryMha(torch.nn.Module):
+    """Target attention through nn.MultiheadAttention: each candidate's seed
+    queries attend to its user's history, replicated to the candidates (K
+    and V from one history, or from two; batch-first or seq-first)."""
+
+    def __init__(self, batch_first=True, two_histories=False, key_dim=None, read=0, **options):
+        super().__init__()
+        torch.manual_seed(11)
+        self.attention = torch.nn.MultiheadAttention(
+            MHA_EMBED, 2, batch_first=batch_first, kdim=key_dim, vdim=key_dim, **options
+        )
+        self.two_histories, self.read = two_histories, read
+
+    def forward(self, q, keys, values, cand_to_user):
+        return self.attend(q, keys, values, cand_to_user, None)
+
+    def attend(self, q, keys, values, cand_to_user, key_padding_mask):
+        k = keys[cand_to_user]
+        v = values[cand_to_user] if self.two_histories else k
+        if not self.attention.batch_first:
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        outputs = self.attention(q, k, v, key_padding_mask=key_padding_mask)
+        return outputs[self.read]
+
+
+class MaskedHistoryMha(HistoryMha):
+    def forward(self, q, keys, values, cand_to_user, key_padding_mask):
+        return self.attend(q, keys, values, cand_to_user, key_padding_mask)
+
+
+MHA_VARIANTS = {
+    "batch_first": {},
+    "seq_first": {"batch_first": False},
+    "two_histories": {"two_histories": True},
+    "key_dim": {"key_dim": 48, "two_histories": True},
+    "no_bias": {"bias": False},
+}
+
+
+def mha_model_and_request(variant, seed=0, counts=COUNTS):
+    options = MHA_VARIANTS[variant]
+    return HistoryMha(**options).eval(), mha_request(
+        seed, counts, options.get("key_dim", MHA_EMBED)
+    )
+
+
+def assert_mha_rewritten(report, rewritten, inputs):
+    assert not report.left and report.max_error < 1e-5, report
+    (item,) = report.rewritten
+    assert item.op == "ikbo::attention"
+    assert "multi-head attention H=2, D=64, S=12; its K/V projections run once per user" in (
+        item.detail
+    )
+    (attention,) = [n for n in rewritten.graph.nodes if str(n.target) == "ikbo.attention.default"]
+    ShapeProp(rewritten).propagate(*inputs)
+    for operand in attention.args[1:3]:  # K and V projected per user
+        assert operand.meta["tensor_meta"].shape == (NUM_USERS, HISTORY, 2, MHA_EMBED // 2)
+
+
+@pytest.mark.parametrize("variant", MHA_VARIANTS)
+def test_multihead_attention_module(variant):
+    model, inputs = mha_model_and_request(variant)
+    rewritten = rewrite.optimize(model, inputs, verbose=False)
+    assert_mha_rewritten(rewritten.ikbo_report, rewritten, inputs)
+    assert ikbo_ops(rewritten) == ["ikbo.attention.default"]
+    assert not gathers_by(rewritten)  # no replicated history left
+    # Another request: other counts, an unsorted mapping.
+    q, keys, values, cand_to_user = mha_request(1, (1, 5, 3, 2), keys_width(model))
+    assert_matches(rewritten, model, (q, keys, values, cand_to_user.flip(0)))
+
+
+def keys_width(model):
+    return model.attention.kdim
+
+
+@pytest.mark.parametrize("variant", ["batch_first", "seq_first", "key_dim"])
+def test_multihead_attention_under_torch_compile(variant):
+    """torch.compile records F.multi_head_attention_forward on seq-first
+    transposes; every graph over four request sizes is rewritten."""
+    model, _ = mha_model_and_request(variant)
+    counts = ((2, 1, 1, 2, 1), (1,) * 7 + (2,) * 4, (3, 1) * 6, (1, 2) * 9)
+    width = keys_width(model)
+    requests = [mha_request(seed, c, width) for seed, c in enumerate(counts)]
+    reports = run_compiled(model, requests, dynamic=None)
+    assert len(reports) == 2
+    for report in reports:
+        (item,) = report.rewritten
+        assert item.op == "ikbo::attention" and not report.left, report
+
+
+@pytest.mark.parametrize(
+    ("options", "mask", "reason"),
+    [
+        ({"read": 1}, False, "its attention weights are read"),
+        ({}, True, "it has a key_padding_mask"),
+        ({"add_bias_kv": True}, False, "it has bias_k (add_bias_kv)"),
+        ({"add_zero_attn": True}, False, "adds a zero key (add_zero_attn)"),
+        ({"dropout": 0.5, "training": True}, False, "dropout_p=0.5 in training"),
+    ],
+)
+def test_multihead_attention_left_with_a_reason(options, mask, reason):
+    training = options.pop("training", False)
+    model = (MaskedHistoryMha if mask else HistoryMha)(**options).train(training)
+    inputs = mha_request()
+    if mask:  # per candidate, which ikbo attention has no place for
+        inputs += (torch.rand(inputs[0].shape[0], HISTORY) < 0.2,)
+    torch.manual_seed(0)
+    rewritten = rewrite.optimize(model, inputs, verbose=False)
+    report = rewritten.ikbo_report
+    assert not report.rewritten
+    (left,) = report.left
+    assert reason in left.reason, left.reason
+    assert ikbo_ops(rewritten) == []
+
+
+@requires_torch_cuda(torch)
+def test_multihead_attention_on_cuda_in_half_precision():
+    model = HistoryMha().eval().to("cuda", torch.float16)
+
+    def on_cuda(request):
+        return tuple(x.cuda().half() if x.is_floating_point() else x.cuda() for x in request)
+
+    inputs = on_cuda(mha_request())
+    rewritten = rewrite.optimize(model, inputs, verbose=False)
+    (item,) = rewritten.ikbo_report.rewritten
+    assert item.op == "ikbo::attention" and not rewritten.ikbo_report.left
+    compiled = torch.compile(model, backend=rewrite.make_backend(verbose=False))
+    other = on_cuda(mha_request(1, (1, 5, 3, 2)))
+    with torch.no_grad():
+        want = model(*other)
+        for got in (rewritten(*other), compiled(*other)):
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
