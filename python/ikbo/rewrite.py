@@ -1888,9 +1888,6 @@ def _match_attention(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match |
     return _Match(node, "ikbo::attention", [key[0], value[0]], detail, build)
 
 
-_MultiheadAttention = torch.nn.MultiheadAttention
-
-
 @dataclass
 class _MhaCall:
     """An ``nn.MultiheadAttention`` call, or ``F.multi_head_attention_forward``
@@ -1931,16 +1928,12 @@ def _mha_call(node: Node, module: torch.nn.Module) -> _MhaCall | None:
         submodule = module.get_submodule(node.target)
     except AttributeError:
         return None
-    if type(submodule) is not _MultiheadAttention:
+    if type(submodule) is not _nn.MultiheadAttention:
         return None
     arguments = _bound_arguments(submodule.forward, node)
     if arguments is None:
         return None
 
-    def attribute(name: str) -> str | None:
-        return f"{node.target}.{name}" if submodule.get_parameter(name) is not None else None
-
-    separate = not submodule._qkv_same_embed_dim
     arguments.update(
         num_heads=submodule.num_heads,
         bias_k=submodule.bias_k,
@@ -1948,17 +1941,22 @@ def _mha_call(node: Node, module: torch.nn.Module) -> _MhaCall | None:
         add_zero_attn=submodule.add_zero_attn,
         dropout_p=submodule.dropout,
         training=submodule.training,
-        use_separate_proj_weight=separate,
-        in_proj_bias=attribute("in_proj_bias") if submodule.in_proj_bias is not None else None,
-        out_proj_weight=f"{node.target}.out_proj.weight",
-        out_proj_bias=(
-            f"{node.target}.out_proj.bias" if submodule.out_proj.bias is not None else None
-        ),
+        use_separate_proj_weight=not submodule._qkv_same_embed_dim,
     )
-    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight") if separate else ():
-        arguments[name] = attribute(name)
-    if not separate:
-        arguments["in_proj_weight"] = attribute("in_proj_weight")
+    # The module registers the weights it does not use, and absent biases, as None.
+    for name, path in (
+        ("in_proj_weight", "in_proj_weight"),
+        ("q_proj_weight", "q_proj_weight"),
+        ("k_proj_weight", "k_proj_weight"),
+        ("v_proj_weight", "v_proj_weight"),
+        ("in_proj_bias", "in_proj_bias"),
+        ("out_proj_weight", "out_proj.weight"),
+        ("out_proj_bias", "out_proj.bias"),
+    ):
+        held = submodule
+        for part in path.split("."):
+            held = getattr(held, part, None)
+        arguments[name] = f"{node.target}.{path}" if held is not None else None
     return _MhaCall(arguments, not submodule.batch_first, submodule.out_proj.weight.dtype)
 
 
@@ -1991,15 +1989,12 @@ def _match_mha(
         raise skip("only one of K and V is broadcast; ikbo attention needs both per user")
     if key.mapping != value.mapping:
         raise skip("K and V are broadcast by different mappings")
-    for name, what in (
-        ("key_padding_mask", "a key_padding_mask"),
-        ("attn_mask", "an attn_mask"),
-        ("bias_k", "bias_k (add_bias_kv)"),
-        ("static_k", "static_k"),
-        ("static_v", "static_v"),
-    ):
+    for name in ("key_padding_mask", "attn_mask"):
         if call.get(name) is not None:
-            raise skip(f"it has {what}; ikbo attention masks only past a user's length")
+            raise skip(f"it has a {name}; ikbo attention masks only past a user's length")
+    for name in ("bias_k", "bias_v", "static_k", "static_v"):
+        if call.get(name) is not None:
+            raise skip(f"it has {name} (add_bias_kv or static K/V); ikbo attention reads K/V alone")
     if call.get("add_zero_attn") is not False or call.get("is_causal") is not False:
         raise skip("it is causal or adds a zero key (add_zero_attn); ikbo attention does neither")
     dropout = call.get("dropout_p")
@@ -2049,9 +2044,13 @@ def _match_mha(
         if call.seq_first:
             query = _swapped_input(query, 3, 0) or context.insert(torch.transpose, query, 0, 1)
         per_user = [context.user(key), context.user(value)]
-        q = project(query, packed or call.node(context, "q_proj_weight"), bias, 0)
-        k = project(per_user[0], packed or call.node(context, "k_proj_weight"), bias, 1)
-        v = project(per_user[1], packed or call.node(context, "v_proj_weight"), bias, 2)
+        weights = [
+            packed if packed is not None else call.node(context, f"{which}_proj_weight")
+            for which in "qkv"
+        ]
+        q = project(query, weights[0], bias, 0)
+        k = project(per_user[0], weights[1], bias, 1)
+        v = project(per_user[1], weights[2], bias, 2)
         index = context.index(key, per_user[0])
         out = context.insert(torch.ops.ikbo.attention.default, q, k, v, index, None, None)
         out = context.insert(

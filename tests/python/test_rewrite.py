@@ -1185,15 +1185,16 @@ def keys_width(model):
     return model.attention.kdim
 
 
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 @pytest.mark.parametrize("variant", ["batch_first", "seq_first", "key_dim"])
-def test_multihead_attention_under_torch_compile(variant):
+def test_multihead_attention_under_torch_compile(variant, compiler):
     """torch.compile records F.multi_head_attention_forward on seq-first
     transposes; every graph over four request sizes is rewritten."""
     model, _ = mha_model_and_request(variant)
     counts = ((2, 1, 1, 2, 1), (1,) * 7 + (2,) * 4, (3, 1) * 6, (1, 2) * 9)
     width = keys_width(model)
     requests = [mha_request(seed, c, width) for seed, c in enumerate(counts)]
-    reports = run_compiled(model, requests, dynamic=None)
+    reports = run_compiled(model, requests, dynamic=None, compiler=compiler)
     assert len(reports) == 2
     for report in reports:
         (item,) = report.rewritten
@@ -1205,7 +1206,7 @@ def test_multihead_attention_under_torch_compile(variant):
     [
         ({"read": 1}, False, "its attention weights are read"),
         ({}, True, "it has a key_padding_mask"),
-        ({"add_bias_kv": True}, False, "it has bias_k (add_bias_kv)"),
+        ({"add_bias_kv": True}, False, "it has bias_k (add_bias_kv or static K/V)"),
         ({"add_zero_attn": True}, False, "adds a zero key (add_zero_attn)"),
         ({"dropout": 0.5, "training": True}, False, "dropout_p=0.5 in training"),
     ],
