@@ -2464,6 +2464,24 @@ def _verify(applied: _Applied, runner: _Runner, expected: Any, tolerance: dict) 
     return _compare(expected, actual, tolerance)
 
 
+class _Tracer(torch.fx.Tracer):
+    """symbolic_trace's tracer, but transformer decoder layers are traced
+    into, so that their cross-attention is a graph node of its own."""
+
+    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
+        if isinstance(module, _nn.TransformerDecoderLayer):
+            return False
+        return super().is_leaf_module(module, qualified_name)
+
+
+def _symbolic_trace(module: torch.nn.Module) -> torch.fx.GraphModule:
+    with contextlib.suppress(Exception):  # a layer it cannot follow: trace it whole
+        tracer = _Tracer()
+        graph = tracer.trace(module)
+        return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
+    return torch.fx.symbolic_trace(module)
+
+
 def _as_graph_module(
     module: torch.nn.Module | torch.export.ExportedProgram, sample_inputs: Sequence[Any]
 ) -> tuple[torch.fx.GraphModule, str]:
@@ -2472,7 +2490,7 @@ def _as_graph_module(
     if isinstance(module, torch.fx.GraphModule):
         return module, "fx"
     with contextlib.suppress(Exception):  # symbolic tracing cannot follow: export runs it
-        return torch.fx.symbolic_trace(module), "symbolic_trace"
+        return _symbolic_trace(module), "symbolic_trace"
     # Dim 0 (B or U) of every tensor input left to vary, so that the result
     # takes other requests; a model that export cannot trace so gets the
     # sample's sizes fixed.
@@ -2585,8 +2603,9 @@ def optimize(
     """Rewrites broadcast-then-compute subgraphs of ``module`` into ikbo ops.
 
     Args:
-        module: an ``nn.Module`` (traced with ``torch.fx.symbolic_trace``, or
-            ``torch.export`` where symbolic tracing fails), a
+        module: an ``nn.Module`` (traced with ``torch.fx.symbolic_trace``, into
+            ``nn.TransformerDecoderLayer``s too, or with ``torch.export`` where
+            symbolic tracing fails), a
             ``torch.fx.GraphModule`` (from either, or from ``torch.compile``),
             or a ``torch.export.ExportedProgram``. Put it in eval mode first.
         sample_inputs: positional inputs of a real request (real tensors, a

@@ -1243,3 +1243,47 @@ def test_multihead_attention_on_cuda_in_half_precision():
         want = model(*other)
         for got in (rewritten(*other), compiled(*other)):
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+class HistoryDecoder(torch.nn.Module):
+    """Candidate seeds decoded against the user's history as memory,
+    replicated to the candidates: the layers' cross-attention is ikbo's."""
+
+    def __init__(self, layers):
+        super().__init__()
+        torch.manual_seed(13)
+        layer = torch.nn.TransformerDecoderLayer(MHA_EMBED, 2, 256, batch_first=True)
+        self.decoder = layer if layers is None else torch.nn.TransformerDecoder(layer, layers)
+
+    def forward(self, q, history, cand_to_user):
+        return self.decoder(q, history[cand_to_user])
+
+
+def decoder_request(seed=0, counts=COUNTS):
+    q, history, _, cand_to_user = mha_request(seed, counts)
+    return q, history, cand_to_user
+
+
+def test_transformer_decoder_layer_is_traced_into():
+    model, inputs = HistoryDecoder(None).eval(), decoder_request()
+    rewritten = rewrite.optimize(model, inputs, verbose=False)
+    report = rewritten.ikbo_report
+    assert report.tracer == "symbolic_trace" and not report.left, report
+    (item,) = report.rewritten
+    assert item.node == "decoder_multihead_attn" and item.op == "ikbo::attention"
+    assert not gathers_by(rewritten)
+    assert_matches(rewritten, model, decoder_request(1, (1, 5, 3, 2)))
+
+
+def test_transformer_decoder_under_torch_compile():
+    """A stack of two layers (symbolic tracing cannot follow the stack's
+    checks; torch.compile does): both cross-attentions are rewritten."""
+    model = HistoryDecoder(2).eval()
+    counts = ((2, 1, 1, 2, 1), (1,) * 7 + (2,) * 4, (3, 1) * 6)
+    reports = run_compiled(
+        model, [decoder_request(seed, c) for seed, c in enumerate(counts)], dynamic=None
+    )
+    assert len(reports) == 2
+    for report in reports:
+        assert [item.op for item in report.rewritten] == ["ikbo::attention"] * 2, report
+        assert not report.left, report
