@@ -25,7 +25,10 @@ Layers, in order:
 2. target attention: the first n_seed compressed embeddings of each
    candidate are its seed tokens; projected to H heads of D, they attend to
    the user's projected history (``F.scaled_dot_product_attention``,
-   K/V gathered per candidate), and are mean-pooled and layer-normed;
+   K/V gathered per candidate), and are mean-pooled and layer-normed. With
+   ``attention="mha"`` the layer is ``nn.MultiheadAttention`` instead, fed
+   the history replicated to the candidates (the module projects K/V from
+   what it is given: per candidate);
 3. the MLP over ``concat(user tower output, candidate features, projected
    compressed embeddings, attention output)``, ending in one score (a
    logit) per candidate.
@@ -60,8 +63,12 @@ class RankingConfig:
     user_tower_dim: int = 256
     compressed_projection_dim: int = 8  # per compressed embedding, into the MLP
     mlp_dims: tuple[int, ...] = (512, 256)
+    # "sdpa": K/V projected per user by the model, gathered, then SDPA;
+    # "mha": nn.MultiheadAttention (kdim = vdim = N) on the replicated history.
+    attention: str = "sdpa"
 
 
+ATTENTION_LAYERS = ("sdpa", "mha")
 SPEC_CONFIG = RankingConfig()
 # About a quarter of SPEC's widths, for two CPU cores (K still no multiple of 8).
 SMALL_CONFIG = RankingConfig(
@@ -92,6 +99,10 @@ class RankingModel(nn.Module):
                 f"seed_tokens = {config.seed_tokens} must not exceed "
                 f"compressed_embeddings = {config.compressed_embeddings}"
             )
+        if config.attention not in ATTENTION_LAYERS:
+            raise ValueError(
+                f"attention = {config.attention!r} must be one of {', '.join(ATTENTION_LAYERS)}"
+            )
         self.config = config
         attention_dim = config.heads * config.head_dim
         self.user_tower = nn.Sequential(
@@ -102,8 +113,17 @@ class RankingModel(nn.Module):
         # nn.Linear's initialization, fan-in Ku + Kc.
         nn.init.kaiming_uniform_(self.compression, a=math.sqrt(5))
         self.query = nn.Linear(config.embedding_dim, attention_dim)
-        self.key = nn.Linear(config.embedding_dim, attention_dim)
-        self.value = nn.Linear(config.embedding_dim, attention_dim)
+        if config.attention == "mha":
+            self.attention = nn.MultiheadAttention(
+                attention_dim,
+                config.heads,
+                kdim=config.embedding_dim,
+                vdim=config.embedding_dim,
+                batch_first=True,
+            )
+        else:
+            self.key = nn.Linear(config.embedding_dim, attention_dim)
+            self.value = nn.Linear(config.embedding_dim, attention_dim)
         self.attention_norm = nn.LayerNorm(attention_dim)
         self.compressed_projection = nn.Linear(
             config.embedding_dim, config.compressed_projection_dim
@@ -130,26 +150,18 @@ class RankingModel(nn.Module):
         candidate_embeddings: torch.Tensor,
         cand_to_user: torch.Tensor,
     ) -> torch.Tensor:
-        heads, head_dim = self.config.heads, self.config.head_dim
-
         # Once per user.
         user_repr = self.user_tower(user_features)  # [U, user_tower_dim]
-        keys = self.key(user_history).unflatten(-1, (heads, head_dim))  # [U, S, H, D]
-        values = self.value(user_history).unflatten(-1, (heads, head_dim))
 
         # LCE over the stacked user and candidate embeddings.
         stacked = torch.cat([user_embeddings[cand_to_user], candidate_embeddings], dim=1)
         compressed = torch.matmul(self.compression, stacked)  # [B, M, N]
 
         # Target attention from each candidate's seed tokens onto its user's history.
-        seeds = compressed[:, : self.config.seed_tokens]
-        queries = self.query(seeds).unflatten(-1, (heads, head_dim)).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            queries,
-            keys[cand_to_user].transpose(1, 2),
-            values[cand_to_user].transpose(1, 2),
-        )  # [B, H, n_seed, D]
-        attention_summary = self.attention_norm(attended.mean(dim=2).flatten(1))
+        queries = self.query(compressed[:, : self.config.seed_tokens])  # [B, n_seed, H * D]
+        attention_summary = self.attention_norm(
+            self._attend(queries, user_history, cand_to_user).mean(dim=1)
+        )
 
         features = torch.cat(
             [
@@ -161,3 +173,21 @@ class RankingModel(nn.Module):
             dim=-1,
         )
         return self.mlp(features).squeeze(-1)
+
+    def _attend(
+        self, queries: torch.Tensor, user_history: torch.Tensor, cand_to_user: torch.Tensor
+    ) -> torch.Tensor:
+        """``[B, n_seed, H * D]`` attention outputs of the seed queries."""
+        if self.config.attention == "mha":
+            history = user_history[cand_to_user]  # [B, S, N]
+            attended, _ = self.attention(queries, history, history, need_weights=False)
+            return attended
+        heads, head_dim = self.config.heads, self.config.head_dim
+        keys = self.key(user_history).unflatten(-1, (heads, head_dim))  # [U, S, H, D], per user
+        values = self.value(user_history).unflatten(-1, (heads, head_dim))
+        attended = F.scaled_dot_product_attention(
+            queries.unflatten(-1, (heads, head_dim)).transpose(1, 2),
+            keys[cand_to_user].transpose(1, 2),
+            values[cand_to_user].transpose(1, 2),
+        )  # [B, H, n_seed, D]
+        return attended.transpose(1, 2).flatten(2)

@@ -51,10 +51,10 @@ import ctypes
 import gc
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
-from model import SMALL_CONFIG, SPEC_CONFIG, RankingConfig, RankingModel
+from model import ATTENTION_LAYERS, SMALL_CONFIG, SPEC_CONFIG, RankingConfig, RankingModel
 
 import ikbo.rewrite
 from ikbo.bench import (
@@ -305,6 +305,7 @@ def model_records(
         "H": config.heads,
         "n_seed": config.seed_tokens,
         "D": config.head_dim,
+        "attention": config.attention,
     }
     return [
         {
@@ -380,6 +381,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--B", type=int, default=1024, help="candidates (default 1024)")
     parser.add_argument("--ratio", type=int, default=70, help="candidates per user (default 70)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: fp16 GPU, fp32 CPU")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_LAYERS,
+        default="sdpa",
+        help="the attention layer: K/V projected per user, gathered, SDPA (default); or "
+        "nn.MultiheadAttention on the history replicated to the candidates",
+    )
     parser.add_argument("--reps", type=int, help="timed passes (default: 30 GPU, 5 CPU)")
     parser.add_argument("--warmup", type=int, help="untimed passes first (default: 5 GPU, 1 CPU)")
     parser.add_argument("--json", metavar="FILE", help="write the model records to FILE")
@@ -393,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if gpu:
         torch.cuda.set_device(device)
     config = SMALL_CONFIG if options.small or not (gpu or options.spec) else SPEC_CONFIG
+    config = replace(config, attention=options.attention)
     dtype = DTYPES[options.dtype or ("fp16" if gpu else "fp32")]
     # End to end, the host's time counts: an eager pass enqueues hundreds
     # of ops (the CUDA-graph replay is what takes the host out).

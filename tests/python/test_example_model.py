@@ -3,6 +3,7 @@ broadcast of the model, written the usual replicate-then-compute way, with
 ikbo ops, the rewritten model reproduces the original on new requests, and
 run.py's comparison writes valid ``model`` records."""
 
+import dataclasses
 import json
 import operator
 import pathlib
@@ -47,9 +48,10 @@ CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def tiny_model(dtype):
+def tiny_model(dtype, attention="sdpa"):
     torch.manual_seed(0)
-    return model_module.RankingModel(TINY).to(CPU, dtype).eval()
+    config = dataclasses.replace(TINY, attention=attention)
+    return model_module.RankingModel(config).to(CPU, dtype).eval()
 
 
 def broadcasts_of(graph_module):
@@ -59,11 +61,17 @@ def broadcasts_of(graph_module):
     return [node for node in mapping.users if node.target in gathers]
 
 
+# What the original replicates: user embeddings, keys and values (or the
+# history nn.MultiheadAttention projects per candidate), user tower output.
+BROADCASTS = {"sdpa": 4, "mha": 3}
+
+
+@pytest.mark.parametrize("attention", model_module.ATTENTION_LAYERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rewrite_replaces_every_broadcast(dtype, capsys):
-    model = tiny_model(dtype)
+def test_rewrite_replaces_every_broadcast(dtype, attention, capsys):
+    model = tiny_model(dtype, attention)
     original_broadcasts = broadcasts_of(torch.fx.symbolic_trace(model))
-    assert len(original_broadcasts) == 4  # user embeddings, keys, values, user tower output
+    assert len(original_broadcasts) == BROADCASTS[attention]
 
     inputs = run_module.make_request(TINY, 11, 4, dtype, CPU)
     with torch.no_grad():
@@ -191,15 +199,16 @@ def test_comparison_and_model_records():
 requires_cuda = requires_torch_cuda(torch)
 
 
+@pytest.mark.parametrize("attention", model_module.ATTENTION_LAYERS)
 @pytest.mark.parametrize(
     ("device", "dtype"),
     [("cpu", torch.float32), pytest.param("cuda", torch.float16, marks=requires_cuda)],
 )
-def test_torch_compile_serves_every_request_size(device, dtype):
+def test_torch_compile_serves_every_request_size(device, dtype, attention):
     """The model compiled with the ikbo backend (torch's default, automatic
     dynamic shapes): a static graph for the first request, then one graph
     with symbolic B and U for every later size, both rewritten."""
-    model = tiny_model(dtype).to(device)
+    model = tiny_model(dtype, attention).to(device)
     # Dynamo keeps what it learned of forward's sizes across models: start afresh.
     torch._dynamo.reset()
     reports = []
@@ -241,16 +250,20 @@ def test_cuda_graph_replay_matches_eager_passes():
         torch.testing.assert_close(captured, eager)
 
 
-def test_command_line_writes_records(tmp_path, capsys):
+@pytest.mark.parametrize("attention", model_module.ATTENTION_LAYERS)
+def test_command_line_writes_records(tmp_path, capsys, attention):
     path = tmp_path / "model.json"
     arguments = ["--device", "cpu", "--small", "--B", "48", "--ratio", "8", "--reps", "1"]
+    arguments += ["--attention", attention]
     assert run_module.main([*arguments, "--warmup", "0", "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "3 rewritten, 0 broadcast(s) left" in printed and "rewritten (ikbo)" in printed
     document = json.loads(path.read_text())
     assert {"device", "date", "commit", "settings", "records"} <= document.keys()
+    assert document["settings"]["model"]["attention"] == attention
     broadcast, ikbo_record = document["records"]
     assert (broadcast["variant"], ikbo_record["variant"]) == ("broadcast", "ikbo")
+    assert broadcast["attention"] == ikbo_record["attention"] == attention
     assert ikbo_record["end_to_end_speedup"] == pytest.approx(
         broadcast["median_ms"] / ikbo_record["median_ms"]
     )
