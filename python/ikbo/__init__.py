@@ -23,10 +23,11 @@ and what was given; outputs are left untouched when that happens.
 
 With PyTorch installed (imported on demand, never by ``import ikbo``):
 ``ikbo.torch_ops`` registers ``torch.ops.ikbo.{lce, attention, linear}`` for
-``torch.compile``, ``torch.export`` and CUDA graphs, and ``ikbo.rewrite``
-rewrites models that replicate user tensors into those ops
-(``ikbo.rewrite.optimize(model, sample_inputs)``, or
-``torch.compile(model, backend=ikbo.rewrite.backend)``).
+``torch.compile``, ``torch.export`` and CUDA graphs; ``ikbo.nn`` has layers
+over them for new models (``LCE``, ``Linear``, ``MultiheadAttention``, with
+torch's parameter names); and ``ikbo.rewrite`` rewrites models that replicate
+user tensors into those ops (``ikbo.rewrite.optimize(model, sample_inputs)``,
+or ``torch.compile(model, backend=ikbo.rewrite.backend)``).
 """
 
 from ._C import (
