@@ -126,7 +126,11 @@ class Linear(nn.Module):
         like = nn.Linear(
             user_features + candidate_features, out_features, bias, device=device, dtype=dtype
         )
-        self.weight, self.bias = like.weight, like.bias
+        self._adopt(like)
+
+    def _adopt(self, linear: nn.Linear) -> None:
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)  # None where it has none, as nn.Linear
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, user_features: int) -> Linear:
@@ -144,7 +148,7 @@ class Linear(nn.Module):
         layer.user_features = user_features
         layer.candidate_features = linear.in_features - user_features
         layer.out_features = linear.out_features
-        layer.weight, layer.bias = linear.weight, linear.bias
+        layer._adopt(linear)
         return layer
 
     def forward(
