@@ -43,9 +43,12 @@ they run once per user and the broadcast reaches a consumer above: a
 ``Linear`` (``nn.Linear``, ``F.linear``, ``mm``/``addmm``/``matmul`` with a
 shared matrix), elementwise activations and casts (``dropout`` only when not
 training), ``softmax``/``layer_norm``/``rms_norm``/reductions over dims other
-than 0, ``batch_norm`` with running statistics, views that keep dim 0 in
-front at the candidate count (``unflatten``, ``view``/``reshape``,
-``transpose``/``permute``, slicing past dim 0, ...), elementwise ops whose
+than 0, ``batch_norm`` with running statistics, batch-first transformer
+encoders (``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` called
+without masks, not training, or the layer's inference fast path that
+torch.compile records), views that keep dim 0 in front at the candidate
+count (``unflatten``, ``view``/``reshape``, ``transpose``/``permute``,
+slicing past dim 0, ...), elementwise ops whose
 other operand is shared by all rows (a bias, a scale; or a broadcast by the
 same mapping), and concats of broadcasts. A broadcast with several such
 consumers (K and V projections of one gathered history) is moved down each
@@ -624,6 +627,15 @@ _row_rule(
     aten="narrow",
 )
 _row_rule("getitem", ("input", "index"), functions=[operator.getitem])
+# nn.TransformerEncoderLayer's inference fast path, as torch.compile records it.
+_row_rule(
+    "transformer_encoder",
+    ("input", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias")
+    + ("use_gelu", "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2")
+    + ("norm_bias_2", "ffn_weight_1", "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask")
+    + ("mask_type",),
+    functions=_attributes(torch, "_transformer_encoder_layer_fwd"),
+)
 
 _nn = torch.nn
 _ROW_MODULES: dict[type, str] = {
@@ -646,12 +658,14 @@ _ROW_MODULES: dict[type, str] = {
     _nn.LayerNorm: "layer_norm",
     _nn.Flatten: "flatten",
     _nn.Unflatten: "unflatten",
+    _nn.TransformerEncoderLayer: "transformer_encoder",
+    _nn.TransformerEncoder: "transformer_encoder",
 }
 
 # Kinds whose result is a new tensor; the others may share the input's storage.
 _FRESH_KINDS = frozenset(
     ("unary", "softmax", "normalize", "reduce", "layer_norm", "rms_norm", "batch_norm")
-    + ("linear", "mm", "addmm", "matmul", "bmm", "binary", "cat")
+    + ("linear", "mm", "addmm", "matmul", "bmm", "binary", "cat", "transformer_encoder")
 )
 _IN_PLACE_OPERATORS = frozenset(
     (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
@@ -696,6 +710,12 @@ def _module_arguments(kind: str, submodule: torch.nn.Module, features: Any) -> d
             training=submodule.training,
             running_mean=submodule.running_mean,
             running_var=submodule.running_var,
+        )
+    elif kind == "transformer_encoder":
+        layer = submodule.layers[0] if isinstance(submodule, _nn.TransformerEncoder) else submodule
+        arguments.update(
+            training=submodule.training and layer.dropout.p != 0,
+            batch_first=layer.self_attn.batch_first,
         )
     return arguments
 
@@ -957,6 +977,16 @@ def _row_kind_check(
     if kind in ("linear", "mm"):
         if rank < 2:
             return "contracts over dim 0, mixing candidates"
+        return _RowOp((x,))
+    if kind == "transformer_encoder":
+        # Each sequence attends within itself: rows stay apart, called
+        # batch-first without masks, and without dropout.
+        if arguments.get("training", False) is not False:
+            return "drops values at random per candidate (dropout in training mode)"
+        if arguments.get("batch_first", True) is not True or rank != 3:
+            return "takes the sequence along dim 0 (batch_first=False)"
+        if arguments.get("mask") is not None:
+            return "has a mask, which may differ per candidate"
         return _RowOp((x,))
     if kind == "addmm":
         bias = arguments.get("input")

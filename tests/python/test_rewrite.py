@@ -1287,3 +1287,53 @@ def test_transformer_decoder_under_torch_compile():
     for report in reports:
         assert [item.op for item in report.rewritten] == ["ikbo::attention"] * 2, report
         assert not report.left, report
+
+
+class EncodedHistory(torch.nn.Module):
+    """The history replicated to the candidates, encoded by a transformer
+    encoder (a layer or a stack), then attended to by the candidates."""
+
+    def __init__(self, stack):
+        super().__init__()
+        torch.manual_seed(17)
+        layer = torch.nn.TransformerEncoderLayer(MHA_EMBED, 2, 256, batch_first=True)
+        self.encoder = (
+            torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False) if stack else layer
+        )
+        self.cross = torch.nn.MultiheadAttention(MHA_EMBED, 2, batch_first=True)
+
+    def forward(self, q, history, cand_to_user):
+        encoded = self.encoder(history[cand_to_user])
+        return self.cross(q, encoded, encoded, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_transformer_encoder_moves_above_the_gather(stack):
+    """An encoder treats each sequence apart: it runs once per user, both in
+    symbolic_trace graphs (the module) and under torch.compile (its
+    inference fast path, one op per layer)."""
+    model = EncodedHistory(stack).eval()
+    rewritten = rewrite.optimize(model, decoder_request(), verbose=False)
+    (item,) = rewritten.ikbo_report.rewritten
+    assert item.moved == [
+        f"encoder ({'TransformerEncoder' if stack else 'TransformerEncoderLayer'})"
+    ]
+    assert not gathers_by(rewritten)
+    assert_matches(rewritten, model, decoder_request(1, (1, 5, 3, 2)))
+
+    counts = ((2, 1, 1, 2, 1), (1,) * 7 + (2,) * 4, (3, 1) * 6)
+    requests = [decoder_request(seed, c) for seed, c in enumerate(counts)]
+    for report in run_compiled(model, requests, dynamic=None):
+        (item,) = report.rewritten
+        assert len(item.moved) == (2 if stack else 1), item.moved
+        assert all("_transformer_encoder_layer_fwd" in moved for moved in item.moved)
+
+
+def test_transformer_encoder_in_training_mode_stays_below_the_gather():
+    model = EncodedHistory(stack=False).eval()
+    model.encoder.train()  # dropout draws per candidate
+    rewritten = rewrite.optimize(model, decoder_request(), verbose=False)
+    report = rewritten.ikbo_report
+    assert not report.rewritten
+    (left,) = report.left
+    assert "drops values at random per candidate" in left.reason, left.reason
