@@ -46,11 +46,12 @@ training), ``softmax``/``layer_norm``/``rms_norm``/reductions over dims other
 than 0, ``batch_norm`` with running statistics, batch-first transformer
 encoders (``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` called
 without masks, not training, or the layer's inference fast path that
-torch.compile records), views that keep dim 0 in front at the candidate
-count (``unflatten``, ``view``/``reshape``, ``transpose``/``permute``,
-slicing past dim 0, ...), elementwise ops whose
-other operand is shared by all rows (a bias, a scale; or a broadcast by the
-same mapping), and concats of broadcasts. A broadcast with several such
+torch.compile records: moved in compiled graphs with torch 2.15, not yet with
+torch 2.11), views that keep dim 0 in front at the candidate count
+(``unflatten``, ``view``/``reshape``, ``transpose``/``permute``, slicing past
+dim 0, ...), elementwise ops whose other operand is shared by all rows (a
+bias, a scale; or a broadcast by the same mapping), and concats of
+broadcasts. A broadcast with several such
 consumers (K and V projections of one gathered history) is moved down each
 branch; reads of its shape are answered from the per-user tensor. Anything
 else stops it: an op that mixes rows (a reduction over dim 0, batch norm in
