@@ -4,6 +4,8 @@ rows, against the torch layers on replicated inputs."""
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not importable; ikbo.nn needs it")
+from torch._dynamo.testing import CompileCounter
+
 # After torch's check; a failing import of ikbo's own modules must fail.
 import ikbo.nn
 from reference import requires_torch_cuda
@@ -131,36 +133,57 @@ def test_multihead_attention_on_jagged_histories(device, dtype, tolerance):
             torch.testing.assert_close(got[b], want, rtol=tolerance, atol=tolerance)
 
 
+class Model(torch.nn.Module):
+    """The three layers in a row: LCE, seeds attending to the history, an MLP input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lce = ikbo.nn.LCE(4, 3, 8)
+        self.attention = ikbo.nn.MultiheadAttention(64, 1, kdim=8, vdim=8)
+        self.linear = ikbo.nn.Linear(5, 2 * 64, 1)
+
+    def forward(self, e_u, e_c, history, x_u, cand_to_user):
+        compressed = self.lce(e_u, e_c, cand_to_user)  # [B, 8, 8]
+        seeds = compressed.flatten(1)[:, None, :].expand(-1, 2, -1)  # [B, 2, 64]
+        attended = self.attention(seeds, history, history, cand_to_user).mean(1)
+        features = torch.cat([compressed.flatten(1), attended], -1)
+        return self.linear(x_u, features, cand_to_user)
+
+
+def model_request(counts):
+    cand_to_user = mapping("cpu", counts)
+    users, candidates = len(counts), len(cand_to_user)
+    return (
+        torch.randn(users, 4, 8),
+        torch.randn(candidates, 3, 8),
+        torch.randn(users, 11, 8),
+        torch.randn(users, 5),
+        cand_to_user,
+    )
+
+
 def test_layers_compile_into_one_graph_over_request_sizes():
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lce = ikbo.nn.LCE(4, 3, 8)
-            self.attention = ikbo.nn.MultiheadAttention(64, 1, kdim=8, vdim=8)
-            self.linear = ikbo.nn.Linear(5, 2 * 64, 1)
-
-        def forward(self, e_u, e_c, history, x_u, cand_to_user):
-            compressed = self.lce(e_u, e_c, cand_to_user)  # [B, 8, 8]
-            seeds = compressed.flatten(1)[:, None, :].expand(-1, 2, -1)  # [B, 2, 64]
-            attended = self.attention(seeds, history, history, cand_to_user).mean(1)
-            features = torch.cat([compressed.flatten(1), attended], -1)
-            return self.linear(x_u, features, cand_to_user)
-
     torch.manual_seed(0)
     model = Model().eval()
-    compiled = torch.compile(model, fullgraph=True, dynamic=True)
-    for counts in ((2, 1, 3), (1, 1, 4, 2, 2), (5,)):
-        cand_to_user = mapping("cpu", counts)
-        users, candidates = len(counts), len(cand_to_user)
-        inputs = (
-            torch.randn(users, 4, 8),
-            torch.randn(candidates, 3, 8),
-            torch.randn(users, 11, 8),
-            torch.randn(users, 5),
-            cand_to_user,
-        )
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    # No B or U of 1 or equal to a layer width: dynamo would specialize it
+    # or give it the width's symbol.
+    for counts in ((2, 1, 3, 1, 2, 1), (1, 2) * 3 + (1,), (3, 1, 1, 2, 1, 1, 2, 1, 1)):
+        inputs = model_request(counts)
         with torch.no_grad():
             torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+def test_layers_export():
+    torch.manual_seed(0)
+    model = Model().eval()
+    exported = torch.export.export(model, model_request((2, 1, 3))).module()
+    inputs = model_request((3, 1, 2))  # same sizes: export fixed them
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)
 
 
 def test_invalid_layers_and_calls_are_refused_by_name():
