@@ -120,15 +120,15 @@ class Linear(nn.Module):
             candidate_features=candidate_features,
             out_features=out_features,
         )
-        self.user_features = user_features
-        self.candidate_features = candidate_features
-        self.out_features = out_features
         like = nn.Linear(
             user_features + candidate_features, out_features, bias, device=device, dtype=dtype
         )
-        self._adopt(like)
+        self._adopt(like, user_features)
 
-    def _adopt(self, linear: nn.Linear) -> None:
+    def _adopt(self, linear: nn.Linear, user_features: int) -> None:
+        self.user_features = user_features
+        self.candidate_features = linear.in_features - user_features
+        self.out_features = linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)  # None where it has none, as nn.Linear
 
@@ -145,10 +145,7 @@ class Linear(nn.Module):
             )
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.user_features = user_features
-        layer.candidate_features = linear.in_features - user_features
-        layer.out_features = linear.out_features
-        layer._adopt(linear)
+        layer._adopt(linear, user_features)
         return layer
 
     def forward(
