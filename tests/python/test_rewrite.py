@@ -1169,6 +1169,10 @@ def assert_mha_rewritten(report, rewritten, inputs):
         assert operand.meta["tensor_meta"].shape == (NUM_USERS, HISTORY, 2, MHA_EMBED // 2)
 
 
+def keys_width(model):
+    return model.attention.kdim
+
+
 @pytest.mark.parametrize("variant", MHA_VARIANTS)
 def test_multihead_attention_module(variant):
     model, inputs = mha_model_and_request(variant)
@@ -1179,10 +1183,6 @@ def test_multihead_attention_module(variant):
     # Another request: other counts, an unsorted mapping.
     q, keys, values, cand_to_user = mha_request(1, (1, 5, 3, 2), keys_width(model))
     assert_matches(rewritten, model, (q, keys, values, cand_to_user.flip(0)))
-
-
-def keys_width(model):
-    return model.attention.kdim
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
