@@ -1324,7 +1324,8 @@ def test_transformer_encoder_moves_above_the_gather(stack):
 @pytest.mark.xfail(
     tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 15),
     reason="with torch 2.11 (the GPU machine's) the compiled graphs kept the encoder per "
-    "candidate (session 43, cause not found yet); met with torch 2.15",
+    "candidate (session 43); met with torch 2.15. Probable cause: torch gained fake-tensor "
+    "support for _transformer_encoder_layer_fwd only in May 2026 (pytorch/pytorch#183916)",
     strict=False,
 )
 @pytest.mark.parametrize("stack", [False, True])
