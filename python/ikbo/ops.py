@@ -11,9 +11,9 @@ stream, use the framework's stream context (``with torch.cuda.stream(s):``).
 
 Tensors are passed through DLPack without copies; they must be dense
 row-major and aligned to their element size (a numpy array over a byte
-buffer at an odd offset is not). Every argument is validated by the library before anything is
-written: an invalid one raises ``ValueError`` naming it, and a preallocated
-``out`` is then left untouched.
+buffer at an odd offset is not). Every argument is validated by the library
+before anything is written: an invalid one raises ``ValueError`` naming it,
+and a preallocated ``out`` is then left untouched.
 """
 
 from __future__ import annotations
@@ -431,12 +431,12 @@ def attention(
     num_rows = _checked_shape(k, "k", 4 if kv_offsets is None else 3)[0]
     if kv_offsets is not None and not isinstance(kv_offsets, _C.JaggedOffsets):
         kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets, "kv_offsets"), num_rows, stream)
-    if kv_offsets is None:
-        candidate_map = _candidate_map(cand_to_user_or_map, None, num_rows, "k dimension 0", stream)
-    else:
-        candidate_map = _candidate_map(
-            cand_to_user_or_map, None, kv_offsets.num_users, "kv_offsets' users", stream
-        )
+    users, users_name = (
+        (num_rows, "k dimension 0")
+        if kv_offsets is None
+        else (kv_offsets.num_users, "kv_offsets' users")
+    )
+    candidate_map = _candidate_map(cand_to_user_or_map, None, users, users_name, stream)
     # Validates q, k, v and the map, so nothing is allocated from the shape
     # of an invalid input; nonzero when the call's keys split across SMs.
     workspace_bytes = _C.attention_workspace_bytes(q, k, v, candidate_map, kv_offsets)

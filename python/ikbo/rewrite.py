@@ -1940,6 +1940,9 @@ class _MhaCall:
 
 
 def _bound_arguments(target: Callable, node: Node) -> dict[str, Any] | None:
+    """``node``'s call of the Python function ``target`` bound to its
+    signature, defaults included (unlike :func:`_bind`: an argument left out,
+    ``is_causal`` say, reads as its default), or None where it does not bind."""
     try:
         bound = inspect.signature(target).bind(*node.args, **node.kwargs)
     except (TypeError, ValueError):
@@ -2507,10 +2510,11 @@ class _Tracer(torch.fx.Tracer):
 
 
 def _symbolic_trace(module: torch.nn.Module) -> torch.fx.GraphModule:
-    with contextlib.suppress(Exception):  # a layer it cannot follow: trace it whole
-        tracer = _Tracer()
-        graph = tracer.trace(module)
-        return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
+    if any(isinstance(item, _nn.TransformerDecoderLayer) for item in module.modules()):
+        with contextlib.suppress(Exception):  # a layer it cannot follow: trace it whole
+            tracer = _Tracer()
+            graph = tracer.trace(module)
+            return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
     return torch.fx.symbolic_trace(module)
 
 
