@@ -46,9 +46,10 @@ training), ``softmax``/``layer_norm``/``rms_norm``/reductions over dims other
 than 0, ``batch_norm`` with running statistics, batch-first transformer
 encoders (``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` called
 without masks, not training, or the layer's inference fast path that
-torch.compile records: moved in compiled graphs with torch 2.15, not with
-torch 2.11, which probably lacks that op's fake-tensor support, added by
-pytorch/pytorch#183916), views that keep dim 0 in front at the candidate count
+torch.compile records; with dynamic shapes torch 2.11 breaks the graph
+at that op, which gained fake-tensor support for them in
+pytorch/pytorch#183916, so there it moves in static-shape graphs only),
+views that keep dim 0 in front at the candidate count
 (``unflatten``, ``view``/``reshape``, ``transpose``/``permute``, slicing past
 dim 0, ...), elementwise ops whose other operand is shared by all rows (a
 bias, a scale; or a broadcast by the same mapping), and concats of
