@@ -2556,6 +2556,11 @@ def _left_reason(
             "bmm/matmul or a linear over a concat with candidate tensors, or the K/V of "
             "SDPA or nn.MultiheadAttention)"
         )
+        if any(user.op == "output" for user in node.users):
+            text += (
+                "; it leaves the graph, so what consumes it runs outside (under torch.compile "
+                "this is a graph break, which torch._dynamo.explain names)"
+            )
     return "; ".join([text, *(note for note in dict.fromkeys(notes) if note not in text)])
 
 

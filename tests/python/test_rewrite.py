@@ -1362,6 +1362,32 @@ def test_transformer_encoder_moves_above_the_gather_under_torch_compile(stack, d
         assert all("_transformer_encoder_layer_fwd" in moved for moved in item.moved)
 
 
+class BrokenAfterTheGather(torch.nn.Module):
+    """Cross-attention over the replicated history, with a graph break
+    between the gather and the attention."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(19)
+        self.cross = torch.nn.MultiheadAttention(MHA_EMBED, 2, batch_first=True)
+
+    def forward(self, q, history, cand_to_user):
+        replicated = history[cand_to_user]
+        torch._dynamo.graph_break()
+        return self.cross(q, replicated, replicated, need_weights=False)[0]
+
+
+def test_a_gather_that_leaves_its_graph_is_reported_as_such():
+    """The graph before the break returns the gather: the report says why
+    nothing consumes it there."""
+    reports = run_compiled(BrokenAfterTheGather().eval(), [decoder_request()], dynamic=False)
+    assert len(reports) == 2, [str(report) for report in reports]
+    assert not any(report.rewritten for report in reports)
+    (left,) = reports[0].left
+    assert "used by output" in left.reason, left.reason
+    assert "it leaves the graph" in left.reason and "graph break" in left.reason, left.reason
+
+
 def test_transformer_encoder_in_training_mode_stays_below_the_gather():
     model = EncodedHistory(stack=False).eval()
     model.encoder.train()  # dropout draws per candidate
