@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import operator
 import warnings
@@ -288,11 +289,14 @@ def _describe(node: Any) -> str:
 class _Mapping:
     """How candidates map to users; equal mappings share one index tensor.
 
-    kind "index": ``source`` is the index node; "counts": ``source`` is the
-    per-user counts node; "uniform": every one of ``num_users`` users has
-    ``source`` consecutive candidates (an int, or a node computing one);
-    "single": one user, ``source`` is the number of candidates. Sizes are
-    kept as :func:`_size_key` gives them, so that mappings hash and compare.
+    kind "index": ``source`` is the index node; "composed": ``source`` is a
+    tuple of index nodes applied in turn (``x[a][b]``: user -> group ->
+    candidate), whose composition ``a[b]`` maps candidates to users;
+    "counts": ``source`` is the per-user counts node; "uniform": every one
+    of ``num_users`` users has ``source`` consecutive candidates (an int, or
+    a node computing one); "single": one user, ``source`` is the number of
+    candidates. Sizes are kept as :func:`_size_key` gives them, so that
+    mappings hash and compare.
     """
 
     kind: str
@@ -302,7 +306,12 @@ class _Mapping:
     def describe(self) -> str:
         source = self.source.name if isinstance(self.source, Node) else self.source
         if self.kind == "index":
-            return f"cand_to_user = {source}"
+            return f"cand_to_user = {_index_name(self.source)}"
+        if self.kind == "composed":
+            first, *then = self.source
+            return (
+                f"cand_to_user = {_index_name(first)}{''.join(f'[{_index_name(i)}]' for i in then)}"
+            )
         if self.kind == "counts":
             return f"per-user counts {source}"
         if self.kind == "uniform":
@@ -359,6 +368,66 @@ def _row_index(call: _Call) -> Node | None:
     return None
 
 
+def _row_gather(node: Any) -> tuple[Node, Node] | None:
+    """(input, index) of a dim-0 row gather by a 1-D integer index."""
+    call = _recognize(node) if isinstance(node, Node) else None
+    index = _row_index(call) if call is not None else None
+    source = call.get("input") if index is not None else None
+    return (source, index) if isinstance(source, Node) else None
+
+
+def _used_only_as_index(node: Node) -> bool:
+    """Whether every user of ``node`` gathers rows by it (and not of it): a
+    composed index such as ``vendor_to_user[cand_to_vendor]``, not a user
+    tensor."""
+
+    def gathers_by_it(user: Node) -> bool:
+        gather = _row_gather(user)
+        return gather is not None and gather[1] is node and gather[0] is not node
+
+    return bool(node.users) and all(gathers_by_it(user) for user in node.users)
+
+
+def _index_chain(index: Node) -> tuple[Node, ...]:
+    """The indices an index composes, in turn: ``(a, b)`` for ``a[b]``."""
+    gather = _row_gather(index)
+    if gather is None or not _integer_vector(gather[0]):
+        return (index,)
+    return (*_index_chain(gather[0]), *_index_chain(gather[1]))
+
+
+def _through_levels(broadcast: _Broadcast, broadcasts: dict[Node, _Broadcast]) -> _Broadcast:
+    """``broadcast`` from the first level of a multi-level one: for
+    ``x[a][b]`` (user -> group -> candidate) or ``x[a[b]]``, ``x`` by the
+    composed mapping, so that attention reads each user's K/V once rather
+    than each group's copy of it. Other broadcasts come back as they are."""
+    if broadcast.mapping.kind != "index" or broadcast.unit_dim is not None:
+        return broadcast
+    chain, lifted = _index_chain(broadcast.mapping.source), broadcast
+    inner = broadcasts.get(broadcast.user)
+    while inner is not None and inner.mapping.kind == "index" and inner.unit_dim is None:
+        chain = (*_index_chain(inner.mapping.source), *chain)
+        lifted = dataclasses.replace(
+            lifted,
+            user=inner.user,
+            origins=tuple(dict.fromkeys((*inner.origin_names(), *lifted.origin_names()))),
+            moved=(*inner.moved, *lifted.moved),
+            moved_names=inner.moved_names | lifted.moved_names,
+        )
+        inner = broadcasts.get(inner.user)
+    if len(chain) == 1:
+        return broadcast
+    return dataclasses.replace(lifted, mapping=_Mapping("composed", chain))
+
+
+def _index_name(index: Node) -> str:
+    """An index as the graph composes it: ``a[b]`` for a composed one."""
+    gather = _row_gather(index)
+    if gather is None or not _integer_vector(gather[0]):
+        return index.name
+    return f"{_index_name(gather[0])}[{_index_name(gather[1])}]"
+
+
 def _expand_size(node: Node, dim: int) -> Any:
     """The size argument of the expand ``node`` for ``dim``: an int, or the
     node that computes it (None when it cannot be read)."""
@@ -407,7 +476,7 @@ def _find_broadcast(node: Node) -> _Broadcast | None:
     index = _row_index(call)
     # Rows of a module's own tensor (an embedding table, say) are a lookup,
     # not a request's user tensor broadcast to its candidates.
-    if index is not None and source.op != "get_attr":
+    if index is not None and source.op != "get_attr" and not _used_only_as_index(node):
         return _Broadcast(node, source, _Mapping("index", index))
     if call.kind == "repeat_interleave":
         if _normalize_dim(call.get("dim"), len(shape)) != 0:
@@ -1535,6 +1604,10 @@ class _Context:
         if mapping not in self.indices:
             if mapping.kind == "index":
                 node = mapping.source
+            elif mapping.kind == "composed":
+                node = mapping.source[0]
+                for then in mapping.source[1:]:
+                    node = self.insert(operator.getitem, node, then)
             elif mapping.kind == "counts":
                 node = self.graph.call_function(
                     torch.repeat_interleave, (mapping.source,), _output_size(broadcast)
@@ -1638,6 +1711,12 @@ def _split_concat(
         raise _Skip(f"user and candidate operands of {concat.name} interleave", involved)
     if len(involved) == len(operands):
         raise _Skip(f"every operand of {concat.name} is per-user; no candidate operand", involved)
+    # Multi-level broadcasts from their first level where every one of them
+    # has the same levels; else (user features beside group features) from
+    # the level they share.
+    lifted = [_through_levels(item, broadcasts) for item in block]
+    if len({item.mapping for item in lifted}) == 1:
+        block = lifted
     if len({item.mapping for item in block}) != 1:
         raise _Skip(f"the operands of {concat.name} are broadcast by different mappings", involved)
     if not _all_equal([_shape(item.user)[0] for item in block]):
@@ -1846,10 +1925,10 @@ def _attention_operand(
 ) -> tuple[_Broadcast, bool] | None:
     """(broadcast, already in ikbo's [B, S, H, D] layout) for SDPA's K or V."""
     if node in broadcasts:
-        return broadcasts[node], False
+        return _through_levels(broadcasts[node], broadcasts), False
     inner = _swaps_heads_and_tokens(node)
     if inner is not None and inner in broadcasts:
-        return broadcasts[inner], True
+        return _through_levels(broadcasts[inner], broadcasts), True
     return None
 
 
@@ -2011,7 +2090,8 @@ def _match_mha(
     def operand(name: str) -> _Broadcast | None:
         value = call.get(name)
         inner = _swapped_input(value, 3, 0) if call.seq_first else value
-        return broadcasts.get(inner) if isinstance(inner, Node) else None
+        found = broadcasts.get(inner) if isinstance(inner, Node) else None
+        return None if found is None else _through_levels(found, broadcasts)
 
     key, value = operand("key"), operand("value")
     if key is None and value is None:
@@ -2549,6 +2629,13 @@ def _left_reason(
         text = "; ".join(dict.fromkeys(reasons))
     elif broadcast.mapping.kind == "single":
         return None  # an expand is a free view until something above reads it per candidate
+    elif node.users and all(_ikbo_operand(user) for user in node.users):
+        ops = sorted({str(op.target) for user in node.users for op in _ikbo_operand(user)})
+        text = (
+            f"kept, at {_shape(node)[0]} rows, as the group-level operand of {', '.join(ops)} "
+            "(a multi-level broadcast beside per-group operands is rewritten at their level): "
+            "copied to the groups, not to the candidates"
+        )
     else:
         users = ", ".join(_describe(user) for user in node.users)
         text = (
@@ -2562,6 +2649,20 @@ def _left_reason(
                 "this is a graph break, which torch._dynamo.explain names)"
             )
     return "; ".join([text, *(note for note in dict.fromkeys(notes) if note not in text)])
+
+
+def _ikbo_operand(node: Node) -> list[Node]:
+    """The ikbo ops ``node`` feeds directly or through a concat, where it
+    feeds nothing else (empty otherwise)."""
+    if node.op == "call_function" and str(node.target).startswith("ikbo."):
+        return [node]
+    if (
+        _kind(node) == "cat"
+        and node.users
+        and all(_ikbo_operand(user) == [user] for user in node.users)
+    ):
+        return list(node.users)
+    return []
 
 
 def _describe_broadcast(node: Node, broadcast: _Broadcast) -> str:

@@ -3,6 +3,7 @@
 and attention consumers with ikbo ops, checking the result on sample inputs,
 and reporting what was left and why."""
 
+import re
 import warnings
 
 import pytest
@@ -1396,3 +1397,139 @@ def test_transformer_encoder_in_training_mode_stays_below_the_gather():
     assert not report.rewritten
     (left,) = report.left
     assert "drops values at random per candidate" in left.reason, left.reason
+
+
+# Multi-level broadcasts: a request of users, the vendors (groups) of each
+# user, and each vendor's candidates.
+
+
+def multi_level_request(seed=0, vendors=(0, 2, 0, 2, 0, 1), candidates=None):
+    """Inputs of MultiLevel: ``vendors`` gives each vendor's user (unsorted;
+    user 1 of 3 has none when the default is used), ``candidates`` each
+    candidate's vendor (unsorted, uneven; vendor 4 has none by default)."""
+    if candidates is None:
+        candidates = (5, 0, 3, 3, 1, 0, 5, 2, 3, 0, 5)
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator)
+
+    num_users, num_vendors, num_candidates = max(vendors) + 1, len(vendors), len(candidates)
+    return (
+        randn(num_candidates, MHA_SEEDS, MHA_EMBED),
+        randn(num_users, HISTORY, MHA_EMBED),
+        randn(num_users, 4),
+        randn(num_vendors, 3),
+        randn(num_candidates, 5),
+        torch.tensor(vendors),
+        torch.tensor(candidates),
+    )
+
+
+class MultiLevel(torch.nn.Module):
+    """The candidates attend to their user's history (broadcast through the
+    vendors: ``history[vendor_to_user][cand_to_vendor]``, or by the composed
+    index ``history[vendor_to_user[cand_to_vendor]]``); a vendor-level MLP
+    takes user features beside the vendor's; a candidate-level MLP takes
+    user and vendor features beside the candidate's."""
+
+    def __init__(self, composed_index):
+        super().__init__()
+        torch.manual_seed(23)
+        self.composed_index = composed_index
+        self.cross = torch.nn.MultiheadAttention(MHA_EMBED, 2, batch_first=True)
+        self.vendor_mlp = torch.nn.Linear(4 + 3, 6)
+        self.mlp = torch.nn.Linear(4 + 3 + 5, 2)
+
+    def forward(self, q, history, x_u, x_v, x_c, vendor_to_user, cand_to_vendor):
+        if self.composed_index:
+            replicated = history[vendor_to_user[cand_to_vendor]]
+        else:
+            replicated = history[vendor_to_user][cand_to_vendor]
+        attended = self.cross(q, replicated, replicated, need_weights=False)[0]
+        users_at_vendors = x_u[vendor_to_user]
+        vendor = self.vendor_mlp(torch.cat([users_at_vendors, x_v], -1))
+        features = [users_at_vendors[cand_to_vendor], x_v[cand_to_vendor], x_c]
+        return attended, vendor, self.mlp(torch.cat(features, -1))
+
+
+MULTI_LEVEL_MAPPINGS = {
+    # Attention reads each user's history once, by the composed mapping.
+    "cross": "cand_to_user = vendor_to_user[cand_to_vendor]",
+    "vendor_mlp": "cand_to_user = vendor_to_user",
+    # User features beside vendor features: both from the vendor level.
+    "mlp": "cand_to_user = cand_to_vendor",
+}
+
+
+def multi_level_mappings(report):
+    mappings = {}
+    for item in report.rewritten:
+        consumer = "cross" if item.op == "ikbo::attention" else item.node.split(" ")[0]
+        # dynamo names an input x l_x_
+        mappings[consumer] = re.sub(r"\bl_(\w+)_\b", r"\1", item.mapping)
+    return mappings
+
+
+def assert_user_rows_copied_to_vendors_only(report):
+    """The one gather left is x_u to the vendors: the vendor-level operand
+    of the candidate MLP's ikbo linear, beside the vendor features."""
+    (left,) = report.left
+    assert "group-level operand of ikbo.linear.default" in left.reason, report
+    assert "copied to the groups, not to the candidates" in left.reason, report
+
+
+@pytest.mark.parametrize("composed_index", [False, True], ids=["chained", "composed"])
+def test_multi_level_broadcasts_are_rewritten(composed_index):
+    model = MultiLevel(composed_index).eval()
+    rewritten = rewrite.optimize(model, multi_level_request(), verbose=False)
+    report = rewritten.ikbo_report
+    assert_user_rows_copied_to_vendors_only(report)
+    assert multi_level_mappings(report) == MULTI_LEVEL_MAPPINGS, report
+    assert ikbo_ops(rewritten) == ["ikbo.attention.default"] + ["ikbo.linear.default"] * 2
+    # Every history row is read by the attention op, none copied per vendor.
+    assert not gathers_by(rewritten, "history"), rewritten.graph
+    other = multi_level_request(1, vendors=(1, 1, 0, 3, 2), candidates=(4, 4, 0, 2, 2, 2, 1))
+    assert_same_outputs(rewritten, model, other)
+
+
+def test_multi_level_broadcasts_are_rewritten_under_torch_compile():
+    model = MultiLevel(composed_index=False).eval()
+    requests = [
+        multi_level_request(),
+        multi_level_request(1, vendors=(1, 1, 0, 3, 2), candidates=(4, 4, 0, 2, 2, 2, 1)),
+        multi_level_request(2, vendors=(0, 0), candidates=(1, 0, 1)),
+    ]
+    for report in run_compiled(model, requests, dynamic=None):
+        assert_user_rows_copied_to_vendors_only(report)
+        mappings = multi_level_mappings(report)
+        assert sorted(mappings.values()) == sorted(MULTI_LEVEL_MAPPINGS.values()), report
+
+
+class ThreeLevels(torch.nn.Module):
+    """SDPA over K and V broadcast through three levels, K by chained
+    gathers and V by a composed index and one more gather."""
+
+    def forward(self, q, k_u, v_u, a, b, c):
+        k = k_u[a][b][c]
+        v = v_u[a[b]][c]
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_three_level_broadcasts_compose_into_one_mapping():
+    generator = torch.Generator().manual_seed(5)
+    a, b, c = torch.tensor([1, 0, 1]), torch.tensor([2, 0, 0, 1]), torch.tensor([3, 3, 0, 2, 1])
+    inputs = (
+        torch.randn(5, 2, 3, 64, generator=generator),
+        torch.randn(2, 2, 9, 64, generator=generator),
+        torch.randn(2, 2, 9, 64, generator=generator),
+        a,
+        b,
+        c,
+    )
+    rewritten = rewrite.optimize(ThreeLevels(), inputs, verbose=False)
+    report = rewritten.ikbo_report
+    (item,) = report.rewritten
+    assert item.op == "ikbo::attention" and item.mapping == "cand_to_user = a[b][c]", report
+    assert not report.left, report
+    assert_matches(rewritten, ThreeLevels(), inputs)
