@@ -39,6 +39,15 @@ class CandidateMap {
   // any) lives on the tensor's device. A device tensor is read back once.
   static CandidateMap build(const Tensor& cand_to_user, std::int64_t num_users,
                             Stream stream = nullptr);
+  // Multi-level broadcast (user -> group -> candidate, say user -> vendor
+  // -> item): the map of each candidate to its group's user,
+  // cand_to_user[b] = group_to_user.cand_to_user()[to_group.cand_to_user()[b]].
+  // `to_group` maps B candidates to G groups, `group_to_user` those G groups
+  // (as its candidates) to U users; both on one device, where the result
+  // lives. Ops then read user tensors once per user for the candidates
+  // directly, with no copy per group.
+  static CandidateMap compose(const CandidateMap& to_group, const CandidateMap& group_to_user,
+                              Stream stream = nullptr);
   // Every candidate its own user: cand_to_user[b] = b (num_candidates >= 1,
   // as every map has at least one user).
   static CandidateMap identity(std::int64_t num_candidates, Device device = Device::cpu(),

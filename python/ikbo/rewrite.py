@@ -14,6 +14,14 @@ B candidates by the candidate mapping, in any of these spellings:
 - ``x_u.unsqueeze(1).expand(U, R, ...).reshape(U * R, ...)``: R per user;
 - ``x_u.expand(B, ...)`` of a one-user ``x_u [1, ...]``.
 
+Multi-level broadcasts (user -> group -> candidate, say user -> vendor ->
+item) are chains of index gathers, ``x_u[vendor_to_user][cand_to_vendor]``,
+or one gather by the composed index, ``x_u[vendor_to_user[cand_to_vendor]]``.
+Attention over them reads each user's K/V once, by the composed mapping; a
+concat whose broadcasts all come from the users does too, and one that has
+user features beside vendor features (``x_v[cand_to_vendor]``) is rewritten
+at the vendor level, its user rows copied to the vendors only.
+
 Rewritten consumers (weights may be parameters or graph inputs):
 
 - LCE: ``bmm``/``matmul`` of one weight ``[M, Ku + Kc]`` (2-D, or expanded

@@ -236,6 +236,18 @@ void bind_candidate_map(nb::module_& m) {
           "Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
           "or a CUDA device (the map lives where the tensor is), or from a list of ints.\n"
           "`stream` orders the device copies, which are synchronized before returning.")
+      .def_static(
+          "compose",
+          [](const ikbo::CandidateMap& to_group, const ikbo::CandidateMap& group_to_user,
+             std::uintptr_t stream) {
+            nb::gil_scoped_release release;
+            return ikbo::CandidateMap::compose(to_group, group_to_user, to_stream(stream));
+          },
+          "to_group"_a, "group_to_user"_a, "stream"_a = 0,
+          "Multi-level broadcast (user -> group -> candidate): the map of each candidate to\n"
+          "its group's user, group_to_user.cand_to_user[to_group.cand_to_user]. to_group maps\n"
+          "B candidates to G groups, group_to_user those G groups to U users; both on one\n"
+          "device, where the result lives.")
       .def_prop_ro("num_candidates", &ikbo::CandidateMap::num_candidates, "B")
       .def_prop_ro("num_users", &ikbo::CandidateMap::num_users, "U")
       .def_prop_ro("is_sorted", &ikbo::CandidateMap::is_sorted, "cand_to_user is non-decreasing")

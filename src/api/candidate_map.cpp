@@ -113,6 +113,25 @@ CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::int64_t num_us
                cand_to_user.device, stream);
 }
 
+CandidateMap CandidateMap::compose(const CandidateMap& to_group,
+                                   const CandidateMap& group_to_user, Stream stream) {
+  detail::require(to_group.num_users() == group_to_user.num_candidates(),
+                  "group_to_user must map the ", to_group.num_users(),
+                  " groups of to_group (its num_candidates), got num_candidates = ",
+                  group_to_user.num_candidates());
+  detail::require(to_group.device() == group_to_user.device(),
+                  "to_group and group_to_user must be on one device, got ",
+                  device_name(to_group.device()), " and ", device_name(group_to_user.device()));
+  const auto groups = to_group.cand_to_user();
+  const auto users = group_to_user.cand_to_user();
+  std::vector<std::int32_t> values(groups.size());
+  for (std::size_t b = 0; b < values.size(); ++b) {
+    values[b] = users[static_cast<std::size_t>(groups[b])];
+  }
+  return build(values.data(), to_group.num_candidates(), group_to_user.num_users(),
+               to_group.device(), stream);
+}
+
 CandidateMap CandidateMap::identity(std::int64_t num_candidates, Device device, Stream stream) {
   detail::require(num_candidates >= 1 && num_candidates <= detail::kMaxExtent,
                   "num_candidates must be in [1, ", detail::kMaxExtent, "], got ",

@@ -125,6 +125,67 @@ TEST_P(CandidateMapOnDevice, IdentityGivesEveryCandidateItsOwnUser) {
   expect_device_copy_matches(map);
 }
 
+// Multi-level: candidates -> groups (group 4 has none) -> users (user 3 has
+// no group), both unsorted.
+TEST_P(CandidateMapOnDevice, ComposeMapsEachCandidateToItsGroupsUser) {
+  const Ints to_group = {3, 1, 3, 0, 2}, group_to_user = {2, 0, 2, 1, 0};
+  auto candidates = CandidateMap::build(to_group.data(), 5, 5, device());
+  auto groups = CandidateMap::build(group_to_user.data(), 5, 4, device());
+  auto map = CandidateMap::compose(candidates, groups);
+  EXPECT_EQ(map.device(), device());
+  expect_derived_arrays(map, {"composed",
+                              {1, 0, 1, 2, 2},
+                              4,
+                              {1, 2, 2, 0},
+                              {0, 1, 3, 5, 5},
+                              {1, 0, 2, 3, 4},
+                              false,
+                              2});
+  expect_device_copy_matches(map);
+}
+
+// Three random levels: the composition is cand_to_user's chain of lookups,
+// and associative.
+TEST_P(CandidateMapOnDevice, ComposeFollowsEveryLevelOfRandomMaps) {
+  SeededRng rng;
+  const std::int64_t items = 500, vendors = 61, users = 7, requests = 3;
+  const Ints item_vendor = rng.candidate_map(items, vendors, MapOrder::uneven_unsorted);
+  const Ints vendor_user = rng.candidate_map(vendors, users, MapOrder::uneven_unsorted);
+  const Ints user_request = rng.candidate_map(users, requests, MapOrder::uneven_unsorted);
+  auto first = CandidateMap::build(item_vendor.data(), items, vendors, device());
+  auto second = CandidateMap::build(vendor_user.data(), vendors, users, device());
+  auto third = CandidateMap::build(user_request.data(), users, requests, device());
+  auto to_users = CandidateMap::compose(first, second);
+  Ints expected(items);
+  for (std::int64_t b = 0; b < items; ++b) expected[b] = vendor_user[item_vendor[b]];
+  EXPECT_EQ(to_vector(to_users.cand_to_user()), expected);
+  EXPECT_EQ(to_users.num_users(), users);
+  expect_device_copy_matches(to_users);
+  const auto left = CandidateMap::compose(to_users, third);
+  const auto right = CandidateMap::compose(first, CandidateMap::compose(second, third));
+  for (std::int64_t b = 0; b < items; ++b) expected[b] = user_request[expected[b]];
+  EXPECT_EQ(to_vector(left.cand_to_user()), expected);
+  EXPECT_EQ(to_vector(right.cand_to_user()), expected);
+  EXPECT_EQ(to_vector(left.candidates_by_user()), to_vector(right.candidates_by_user()));
+}
+
+TEST_P(CandidateMapOnDevice, ComposeRejectsLevelsThatDoNotMeet) {
+  const Ints to_group = {0, 4, 1}, group_to_user = {0, 1, 1, 0};
+  auto candidates = CandidateMap::build(to_group.data(), 3, 5, device());
+  auto groups = CandidateMap::build(group_to_user.data(), 4, 2, device());
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { CandidateMap::compose(candidates, groups); },
+      {"group_to_user must map the 5 groups of to_group (its num_candidates), got "
+       "num_candidates = 4"}));
+  if (device().is_cuda()) {
+    const Ints five_groups = {0, 1, 1, 0, 1};
+    auto on_host = CandidateMap::build(five_groups.data(), 5, 2);
+    EXPECT_TRUE(throws_invalid_argument(
+        [&] { CandidateMap::compose(candidates, on_host); },
+        {"to_group and group_to_user must be on one device, got cuda:", " and cpu"}));
+  }
+}
+
 // Checks every derived array of a large random map against its definition.
 TEST_P(CandidateMapOnDevice, RandomUnevenUnsortedMapSatisfiesInvariants) {
   SeededRng rng;

@@ -83,6 +83,23 @@ def test_attention_explicit_scale_and_prebuilt_state_allocates_numpy_output():
     assert_close(out, attention_reference(q, k, v, cand_to_user, offsets, scale=0.3), "float32")
 
 
+def test_attention_over_a_composed_map_reads_each_users_history():
+    """Candidates -> vendors -> users: attention by the composed map equals
+    the reference on the history replicated through both levels."""
+    rng = np.random.default_rng(29)
+    vendor_to_user = np.array([1, 1, 0, 3, 1], dtype=np.int32)  # user 2 has no vendor
+    cand_to_vendor = random_mapping(rng, 23, len(vendor_to_user), False)
+    q = randn(rng, (23, 3, 2, 64), np.float32)
+    k = randn(rng, (4, 17, 2, 64), np.float32)
+    v = randn(rng, (4, 17, 2, 64), np.float32)
+    composed = ikbo.CandidateMap.compose(
+        ikbo.CandidateMap(cand_to_vendor, len(vendor_to_user)), ikbo.CandidateMap(vendor_to_user, 4)
+    )
+    out = ikbo.attention(q, k, v, composed)
+    expected = attention_reference(q, k[vendor_to_user], v[vendor_to_user], cand_to_vendor)
+    assert_close(out, expected, "float32")
+
+
 def test_attention_zero_candidates():
     q = np.zeros((0, 1, 1, 64), dtype=np.float16)
     k = np.ones((2, 3, 1, 64), dtype=np.float16)

@@ -224,6 +224,22 @@ def test_candidate_map_on_cuda():
     assert str(error.value) == "cand_to_user[1] = 5 is out of range [0, 3)"
 
 
+def test_candidate_maps_compose_on_cuda():
+    to_vendor = ikbo.CandidateMap(torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEVICE), 4)
+    vendor_to_user = ikbo.CandidateMap(
+        torch.tensor([2, 0, 2, 1], dtype=torch.int32, device=DEVICE), 3
+    )
+    composed = ikbo.CandidateMap.compose(to_vendor, vendor_to_user)
+    assert composed.device == "cuda:0"
+    np.testing.assert_array_equal(composed.cand_to_user, [1, 0, 1, 2])
+    on_host = ikbo.CandidateMap(np.array([0, 1, 1, 2], dtype=np.int32), 3)
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap.compose(to_vendor, on_host)
+    assert str(error.value) == (
+        "to_group and group_to_user must be on one device, got cuda:0 and cpu"
+    )
+
+
 def test_runs_on_the_current_stream():
     """ikbo launches on torch's current stream: queued on a side stream behind
     a GPU sleep, the output is still unwritten when the default stream reads

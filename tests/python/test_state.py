@@ -55,6 +55,23 @@ def test_candidate_map_derives_groups_of_an_unsorted_mapping():
     assert "num_candidates=6" in repr(candidate_map)
 
 
+def test_candidate_map_compose_follows_both_levels():
+    """Candidates -> vendors (vendor 4 has none) -> users (user 3 has no
+    vendor), both unsorted."""
+    to_vendor = ikbo.CandidateMap(np.array([3, 1, 3, 0, 2], dtype=np.int32), 5)
+    vendor_to_user = ikbo.CandidateMap(np.array([2, 0, 2, 1, 0], dtype=np.int32), 4)
+    composed = ikbo.CandidateMap.compose(to_vendor, vendor_to_user)
+    np.testing.assert_array_equal(composed.cand_to_user, [1, 0, 1, 2, 2])
+    assert composed.num_users == 4 and composed.num_candidates == 5
+    np.testing.assert_array_equal(composed.user_counts, [1, 2, 2, 0])
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap.compose(vendor_to_user, to_vendor)
+    assert str(error.value) == (
+        "group_to_user must map the 4 groups of to_group (its num_candidates), got "
+        "num_candidates = 5"
+    )
+
+
 def test_candidate_map_arrays_are_read_only_views_that_outlive_the_expression():
     offsets = ikbo.CandidateMap(np.array([0, 0, 1], dtype=np.int32), 2).user_offsets
     assert not offsets.flags.writeable
