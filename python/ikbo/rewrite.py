@@ -419,7 +419,7 @@ def _through_levels(broadcast: _Broadcast, broadcasts: dict[Node, _Broadcast]) -
             lifted,
             user=inner.user,
             origins=tuple(dict.fromkeys((*inner.origin_names(), *lifted.origin_names()))),
-            moved=(*inner.moved, *lifted.moved),
+            moved=tuple(dict.fromkeys((*inner.moved, *lifted.moved))),
             moved_names=inner.moved_names | lifted.moved_names,
         )
         inner = broadcasts.get(inner.user)
@@ -1381,6 +1381,7 @@ class _Sinker:
         self.created: list[Node] = []
         self.squeezed: dict[Node, Node] = {}
         self.moved_from: set[Node] = set()
+        self.descriptions: dict[Node, str] = {}
 
     def run(self) -> None:
         if self.allowed is not None and not self.allowed:
@@ -1472,7 +1473,9 @@ class _Sinker:
         """Runs ``consumer`` on the per-user rows and gathers its result."""
         sources = [self.broadcasts[item] for item in dict.fromkeys(op.data)]
         first = sources[0]
-        description = _describe_op(consumer, self.module)
+        # An op moved again (above the next gather of a multi-level broadcast)
+        # is told as the original op.
+        description = self.descriptions.get(consumer) or _describe_op(consumer, self.module)
         out = _meta(consumer)
         with self.graph.inserting_before(consumer):
             per_user = {item: self.per_user(self.broadcasts[item]) for item in op.data}
@@ -1484,7 +1487,13 @@ class _Sinker:
             gather = self.regather(first, node, len(out.shape))
             gather.meta = {"tensor_meta": _dense(out, out.shape[0])}
         self.created += [node, gather]
+        self.descriptions[node] = description
         consumer.replace_all_uses_with(gather)
+        # A broadcast of the moved op's result (the outer gather of x[a][b],
+        # say, once moved below this op) now broadcasts the new gather.
+        for key, item in self.broadcasts.items():
+            if item.user is consumer:
+                self.broadcasts[key] = dataclasses.replace(item, user=gather)
         if consumer in self.hazards:
             self.hazards.add(gather)
         name = consumer.name

@@ -1533,3 +1533,47 @@ def test_three_level_broadcasts_compose_into_one_mapping():
     assert item.op == "ikbo::attention" and item.mapping == "cand_to_user = a[b][c]", report
     assert not report.left, report
     assert_matches(rewritten, ThreeLevels(), inputs)
+
+
+class ProjectedThroughTwoLevels(torch.nn.Module):
+    """K/V projections (and an activation) of a history gathered through two
+    levels, then SDPA: the ops move above both gathers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(31)
+        self.k = torch.nn.Linear(32, 128)
+        self.v = torch.nn.Linear(32, 128)
+
+    def forward(self, q, history, to_group, group_to_user):
+        replicated = history[group_to_user][to_group]
+        k = self.k(replicated).unflatten(-1, (2, 64)).transpose(1, 2)
+        v = self.v(torch.relu(replicated)).unflatten(-1, (2, 64)).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def projected_request(seed, num_candidates):
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(num_candidates, 2, 3, 64, generator=generator),
+        torch.randn(3, 10, 32, generator=generator),
+        torch.randint(0, 5, (num_candidates,), generator=generator),
+        torch.tensor([2, 0, 2, 1, 0]),
+    )
+
+
+def test_ops_between_levels_move_above_both_gathers():
+    model = ProjectedThroughTwoLevels().eval()
+    rewritten = rewrite.optimize(model, projected_request(0, 8), verbose=False)
+    report = rewritten.ikbo_report
+    (item,) = report.rewritten
+    assert item.mapping == "cand_to_user = group_to_user[to_group]", report
+    # Each op told once, as the model names it, though it moved twice.
+    assert item.moved == ["k (Linear)", "unflatten", "relu", "v (Linear)", "unflatten_1"], item
+    assert not report.left, report
+    assert_matches(rewritten, model, projected_request(1, 13))
+    for report in run_compiled(
+        model, [projected_request(s, n) for s, n in ((2, 8), (3, 21))], None
+    ):
+        assert [item.op for item in report.rewritten] == ["ikbo::attention"], report
+        assert not report.left, report
