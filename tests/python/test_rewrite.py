@@ -1506,6 +1506,23 @@ def test_multi_level_broadcasts_are_rewritten_under_torch_compile():
         assert sorted(mappings.values()) == sorted(MULTI_LEVEL_MAPPINGS.values()), report
 
 
+@requires_torch_cuda(torch)
+def test_multi_level_broadcasts_on_cuda_in_half_precision():
+    model = MultiLevel(composed_index=False).eval().to("cuda", torch.float16)
+
+    def on_cuda(request):
+        return tuple(x.cuda().half() if x.is_floating_point() else x.cuda() for x in request)
+
+    rewritten = rewrite.optimize(model, on_cuda(multi_level_request()), verbose=False)
+    assert multi_level_mappings(rewritten.ikbo_report) == MULTI_LEVEL_MAPPINGS
+    compiled = torch.compile(model, backend=rewrite.make_backend(verbose=False))
+    other = on_cuda(multi_level_request(1, vendors=(1, 1, 0, 3, 2), candidates=(4, 0, 2, 2, 1)))
+    with torch.no_grad():
+        for got in (rewritten(*other), compiled(*other)):
+            for actual, expected in zip(got, model(*other)):
+                torch.testing.assert_close(actual, expected, rtol=2e-3, atol=2e-3)
+
+
 class ThreeLevels(torch.nn.Module):
     """SDPA over K and V broadcast through three levels, K by chained
     gathers and V by a composed index and one more gather."""
