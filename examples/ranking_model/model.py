@@ -32,11 +32,18 @@ Layers, in order:
 3. the MLP over ``concat(user tower output, candidate features, projected
    compressed embeddings, attention output)``, ending in one score (a
    logit) per candidate.
+
+:class:`VendorRankingModel` is the same model for requests of three levels,
+user -> vendor -> candidate (an ads request: users, the advertisers bidding
+for them, their ads): every user tensor reaches the candidates through the
+vendors, ``x_u[vendor_to_user][cand_to_vendor]``, and the MLP also takes the
+candidate's vendor features ``vendor_features [V, F_v]``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +73,7 @@ class RankingConfig:
     # "sdpa": K/V projected per user by the model, gathered, then SDPA;
     # "mha": nn.MultiheadAttention (kdim = vdim = N) on the replicated history.
     attention: str = "sdpa"
+    vendor_features: int = 64  # F_v, VendorRankingModel only
 
 
 ATTENTION_LAYERS = ("sdpa", "mha")
@@ -83,6 +91,7 @@ SMALL_CONFIG = RankingConfig(
     user_features=128,
     candidate_features=64,
     user_tower_dim=64,
+    vendor_features=16,
     compressed_projection_dim=4,
     mlp_dims=(256, 128),
 )
@@ -130,6 +139,7 @@ class RankingModel(nn.Module):
         )
         width = (
             config.user_tower_dim
+            + self.vendor_width
             + config.candidate_features
             + config.compressed_embeddings * config.compressed_projection_dim
             + attention_dim
@@ -141,6 +151,9 @@ class RankingModel(nn.Module):
         layers.append(nn.Linear(width, 1))
         self.mlp = nn.Sequential(*layers)
 
+    # Width of the per-candidate features between the user's and the candidate's.
+    vendor_width = 0
+
     def forward(
         self,
         user_features: torch.Tensor,
@@ -150,23 +163,47 @@ class RankingModel(nn.Module):
         candidate_embeddings: torch.Tensor,
         cand_to_user: torch.Tensor,
     ) -> torch.Tensor:
+        def to_candidates(user_tensor: torch.Tensor) -> torch.Tensor:
+            return user_tensor[cand_to_user]
+
+        return self._score(
+            user_features,
+            user_embeddings,
+            user_history,
+            [candidate_features],
+            candidate_embeddings,
+            to_candidates,
+        )
+
+    def _score(
+        self,
+        user_features: torch.Tensor,
+        user_embeddings: torch.Tensor,
+        user_history: torch.Tensor,
+        candidate_features: list[torch.Tensor],
+        candidate_embeddings: torch.Tensor,
+        to_candidates: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The scores, with ``to_candidates`` replicating a user tensor to the
+        candidates and ``candidate_features`` the MLP's per-candidate inputs
+        after the user tower's."""
         # Once per user.
         user_repr = self.user_tower(user_features)  # [U, user_tower_dim]
 
         # LCE over the stacked user and candidate embeddings.
-        stacked = torch.cat([user_embeddings[cand_to_user], candidate_embeddings], dim=1)
+        stacked = torch.cat([to_candidates(user_embeddings), candidate_embeddings], dim=1)
         compressed = torch.matmul(self.compression, stacked)  # [B, M, N]
 
         # Target attention from each candidate's seed tokens onto its user's history.
         queries = self.query(compressed[:, : self.config.seed_tokens])  # [B, n_seed, H * D]
         attention_summary = self.attention_norm(
-            self._attend(queries, user_history, cand_to_user).mean(dim=1)
+            self._attend(queries, user_history, to_candidates).mean(dim=1)
         )
 
         features = torch.cat(
             [
-                user_repr[cand_to_user],
-                candidate_features,
+                to_candidates(user_repr),
+                *candidate_features,
                 self.compressed_projection(compressed).flatten(1),
                 attention_summary,
             ],
@@ -175,11 +212,14 @@ class RankingModel(nn.Module):
         return self.mlp(features).squeeze(-1)
 
     def _attend(
-        self, queries: torch.Tensor, user_history: torch.Tensor, cand_to_user: torch.Tensor
+        self,
+        queries: torch.Tensor,
+        user_history: torch.Tensor,
+        to_candidates: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """``[B, n_seed, H * D]`` attention outputs of the seed queries."""
         if self.config.attention == "mha":
-            history = user_history[cand_to_user]  # [B, S, N]
+            history = to_candidates(user_history)  # [B, S, N]
             attended, _ = self.attention(queries, history, history, need_weights=False)
             return attended
         heads, head_dim = self.config.heads, self.config.head_dim
@@ -187,7 +227,44 @@ class RankingModel(nn.Module):
         values = self.value(user_history).unflatten(-1, (heads, head_dim))
         attended = F.scaled_dot_product_attention(
             queries.unflatten(-1, (heads, head_dim)).transpose(1, 2),
-            keys[cand_to_user].transpose(1, 2),
-            values[cand_to_user].transpose(1, 2),
+            to_candidates(keys).transpose(1, 2),
+            to_candidates(values).transpose(1, 2),
         )  # [B, H, n_seed, D]
         return attended.transpose(1, 2).flatten(2)
+
+
+class VendorRankingModel(RankingModel):
+    """The model for requests of three levels, user -> vendor -> candidate:
+    ``forward(user_features, user_embeddings, user_history, vendor_features,
+    candidate_features, candidate_embeddings, vendor_to_user,
+    cand_to_vendor)``, with ``vendor_features [V, F_v]``, ``vendor_to_user
+    [V]`` and ``cand_to_vendor [B]``. User tensors reach the candidates
+    through the vendors, and the MLP takes the vendor's features after the
+    user tower's."""
+
+    @property
+    def vendor_width(self) -> int:
+        return self.config.vendor_features
+
+    def forward(  # type: ignore[override]
+        self,
+        user_features: torch.Tensor,
+        user_embeddings: torch.Tensor,
+        user_history: torch.Tensor,
+        vendor_features: torch.Tensor,
+        candidate_features: torch.Tensor,
+        candidate_embeddings: torch.Tensor,
+        vendor_to_user: torch.Tensor,
+        cand_to_vendor: torch.Tensor,
+    ) -> torch.Tensor:
+        def to_candidates(user_tensor: torch.Tensor) -> torch.Tensor:
+            return user_tensor[vendor_to_user][cand_to_vendor]
+
+        return self._score(
+            user_features,
+            user_embeddings,
+            user_history,
+            [vendor_features[cand_to_vendor], candidate_features],
+            candidate_embeddings,
+            to_candidates,
+        )

@@ -5,7 +5,10 @@ end-to-end latency, peak memory and output difference of one request.
     python examples/ranking_model/run.py --device cpu --json model.json
     python examples/ranking_model/run.py --help
 
-Defaults: B=1024 candidates at ratio 70 (U=15 users). On a GPU the model has
+Defaults: B=1024 candidates at ratio 70 (U=15 users). ``--vendors V`` gives
+the request a vendor level: each user's candidates come from about V
+vendors, and the model is ``VendorRankingModel``, which reaches the
+candidates through the vendors. On a GPU the model has
 SPEC's reference shapes in fp16 (LCE M=433, N=256, Ku=1178, Kc=866;
 attention H=2, D=128, n_seed=64 onto S=2048 history items); on the CPU the
 ``--small`` widths (about a quarter) in fp32, which run in well under a
@@ -54,7 +57,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
-from model import ATTENTION_LAYERS, SMALL_CONFIG, SPEC_CONFIG, RankingConfig, RankingModel
+from model import (
+    ATTENTION_LAYERS,
+    SMALL_CONFIG,
+    SPEC_CONFIG,
+    RankingConfig,
+    RankingModel,
+    VendorRankingModel,
+)
 
 import ikbo.rewrite
 from ikbo.bench import (
@@ -80,24 +90,41 @@ def make_request(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    vendors_per_user: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Random inputs of one request, in ``RankingModel.forward``'s order, for
     U = round(B / ratio) users: a sorted mapping with uneven groups (the
-    requests of ``ikbo.bench``), int64 as torch indexing makes it."""
+    requests of ``ikbo.bench``), int64 as torch indexing makes it. With
+    ``vendors_per_user``, in ``VendorRankingModel.forward``'s order: V = U *
+    vendors_per_user vendors (at most B), spread over the users and the
+    candidates over the vendors as the mapping above spreads candidates."""
     num_users = users_for_ratio(num_candidates, ratio)
     generator = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator, device=device, dtype=dtype)
 
-    counts = candidate_counts(num_candidates, num_users)
-    return (
+    def mapping(rows: int, groups: int) -> torch.Tensor:
+        return cand_to_user_for(candidate_counts(rows, groups), device, torch.int64)
+
+    users = (
         normal(num_users, config.user_features),
         normal(num_users, config.user_embeddings, config.embedding_dim),
         normal(num_users, config.history_length, config.embedding_dim),
+    )
+    candidates = (
         normal(num_candidates, config.candidate_features),
         normal(num_candidates, config.candidate_embeddings, config.embedding_dim),
-        cand_to_user_for(counts, device, torch.int64),
+    )
+    if not vendors_per_user:
+        return (*users, *candidates, mapping(num_candidates, num_users))
+    num_vendors = min(num_users * vendors_per_user, num_candidates)
+    return (
+        *users,
+        normal(num_vendors, config.vendor_features),
+        *candidates,
+        mapping(num_vendors, num_users),
+        mapping(num_candidates, num_vendors),
     )
 
 
@@ -234,10 +261,14 @@ def compare(
     device: torch.device,
     dtype: torch.dtype,
     timer: Timer,
+    vendors_per_user: int = 0,
 ) -> Comparison:
     """Builds the model and a request, rewrites the model, and measures both."""
-    model = RankingModel(config).to(device, dtype).eval()
-    inputs = make_request(config, num_candidates, ratio, dtype, device)
+    model_class = VendorRankingModel if vendors_per_user else RankingModel
+    model = model_class(config).to(device, dtype).eval()
+    inputs = make_request(
+        config, num_candidates, ratio, dtype, device, vendors_per_user=vendors_per_user
+    )
     with torch.no_grad():
         rewritten = ikbo.rewrite.optimize(model, inputs, verbose=False)
         original_scores = model(*inputs)
@@ -290,6 +321,7 @@ def model_records(
     num_candidates: int,
     ratio: int,
     dtype: torch.dtype,
+    vendors_per_user: int = 0,
 ) -> list[dict]:
     """The ``model`` records of ``shared/DESIGN.md``: one per model."""
     shape_fields = {
@@ -307,6 +339,10 @@ def model_records(
         "D": config.head_dim,
         "attention": config.attention,
     }
+    if vendors_per_user:
+        users = users_for_ratio(num_candidates, ratio)
+        shape_fields["V"] = min(users * vendors_per_user, num_candidates)
+        shape_fields["F_v"] = config.vendor_features
     return [
         {
             "suite": "model",
@@ -388,6 +424,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the attention layer: K/V projected per user, gathered, SDPA (default); or "
         "nn.MultiheadAttention on the history replicated to the candidates",
     )
+    parser.add_argument(
+        "--vendors",
+        type=int,
+        default=0,
+        metavar="V",
+        help="a vendor level between users and candidates, about V vendors per user "
+        "(VendorRankingModel; default 0: none)",
+    )
     parser.add_argument("--reps", type=int, help="timed passes (default: 30 GPU, 5 CPU)")
     parser.add_argument("--warmup", type=int, help="untimed passes first (default: 5 GPU, 1 CPU)")
     parser.add_argument("--json", metavar="FILE", help="write the model records to FILE")
@@ -411,13 +455,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=options.warmup if options.warmup is not None else (5 if gpu else 1),
         host_ahead=False,
     )
+    if options.vendors < 0:
+        raise SystemExit(f"--vendors must be >= 0, got {options.vendors}")
     num_users = users_for_ratio(options.B, options.ratio)
+    vendors = f", {min(num_users * options.vendors, options.B)} vendors" if options.vendors else ""
     print(f"device: {device_name(device)}, {dtype_name(dtype)}, torch {torch.__version__}")
-    print(f"request: B={options.B} candidates, ratio {options.ratio} (U={num_users} users)")
+    print(
+        f"request: B={options.B} candidates, ratio {options.ratio} (U={num_users} users{vendors})"
+    )
     print(f"model: {config}")
     print(f"timing: {timer.method}; median of {timer.reps} passes after {timer.warmup} warm-up\n")
 
-    comparison = compare(config, options.B, options.ratio, device, dtype, timer)
+    comparison = compare(config, options.B, options.ratio, device, dtype, timer, options.vendors)
     print(f"{comparison.report}\n")
     print(summary_table(comparison))
     print(f"\npeak memory: above the resident inputs and weights; {comparison.memory_method}")
@@ -426,7 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"relative error {comparison.relative_error:.3e}"
     )
     if options.json:
-        records = model_records(comparison, config, options.B, options.ratio, dtype)
+        records = model_records(
+            comparison, config, options.B, options.ratio, dtype, options.vendors
+        )
         settings = {
             "reps": timer.reps,
             "warmup": timer.warmup,

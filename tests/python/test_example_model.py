@@ -7,6 +7,7 @@ import dataclasses
 import json
 import operator
 import pathlib
+import re
 import sys
 
 import pytest
@@ -270,3 +271,78 @@ def test_command_line_writes_records(tmp_path, capsys, attention):
     if broadcast["peak_memory_mib"] is not None:
         # K and V replicated to 48 candidates alone take 25 MiB at the small widths.
         assert broadcast["peak_memory_mib"] > ikbo_record["peak_memory_mib"]
+
+
+# Requests of three levels, user -> vendor -> candidate.
+VENDOR_MAPPINGS = {
+    # User tensors read once per user, by the composed mapping.
+    "ikbo::lce": "cand_to_user = vendor_to_user[cand_to_vendor]",
+    "ikbo::attention": "cand_to_user = vendor_to_user[cand_to_vendor]",
+    # The user tower's output beside the vendor features: from the vendors.
+    "ikbo::linear": "cand_to_user = cand_to_vendor",
+}
+
+
+def assert_vendor_rewrites(report):
+    assert {item.op: item.mapping for item in report.rewritten} == VENDOR_MAPPINGS, report
+    (left,) = report.left  # the user tower's output, copied to the vendors only
+    assert "group-level operand of ikbo.linear.default" in left.reason, report
+
+
+@pytest.mark.parametrize("attention", model_module.ATTENTION_LAYERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vendor_model_is_rewritten_through_both_levels(dtype, attention):
+    torch.manual_seed(0)
+    config = dataclasses.replace(TINY, attention=attention, vendor_features=3)
+    model = model_module.VendorRankingModel(config).to(CPU, dtype).eval()
+    inputs = run_module.make_request(config, 23, 6, dtype, CPU, vendors_per_user=3)
+    assert [tuple(x.shape) for x in inputs[-3:]] == [(23, 10, 16), (12,), (23,)]
+    with torch.no_grad():
+        rewritten = rewrite.optimize(model, inputs, verbose=False)
+    assert_vendor_rewrites(rewritten.ikbo_report)
+    for num_candidates, ratio, vendors, seed in ((11, 4, 2, 1), (30, 3, 5, 2), (5, 5, 1, 3)):
+        request = run_module.make_request(
+            config, num_candidates, ratio, dtype, CPU, seed=seed, vendors_per_user=vendors
+        )
+        with torch.no_grad():
+            expected, actual = model(*request), rewritten(*request)
+        torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.float32), pytest.param("cuda", torch.float16, marks=requires_cuda)],
+)
+def test_vendor_model_under_torch_compile(device, dtype):
+    torch.manual_seed(0)
+    config = dataclasses.replace(TINY, vendor_features=3)
+    model = model_module.VendorRankingModel(config).to(device, dtype).eval()
+    torch._dynamo.reset()
+    reports = []
+    compiled = torch.compile(
+        model, backend=rewrite.make_backend(verbose=False, on_report=reports.append)
+    )
+    for seed, (num_candidates, vendors) in enumerate(((21, 2), (33, 3), (43, 2))):
+        request = run_module.make_request(
+            config, num_candidates, 3, dtype, torch.device(device), seed, vendors
+        )
+        with torch.no_grad():
+            expected, actual = model(*request), compiled(*request)
+        torch.testing.assert_close(actual, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert len(reports) == 2
+    for report in reports:
+        # dynamo names an input x l_x_
+        for item in report.rewritten:
+            item.mapping = re.sub(r"\bl_(\w+)_\b", r"\1", item.mapping)
+        assert_vendor_rewrites(report)
+
+
+def test_command_line_with_vendors_writes_records(tmp_path, capsys):
+    path = tmp_path / "model.json"
+    arguments = ["--device", "cpu", "--small", "--B", "48", "--ratio", "8", "--vendors", "3"]
+    assert run_module.main([*arguments, "--reps", "1", "--warmup", "0", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "U=6 users, 18 vendors" in printed and "3 rewritten, 1 broadcast(s) left" in printed
+    broadcast, ikbo_record = json.loads(path.read_text())["records"]
+    assert broadcast["V"] == ikbo_record["V"] == 18
+    assert ikbo_record["relative_error"] < 1e-5
