@@ -299,7 +299,8 @@ class _Mapping:
 
     kind "index": ``source`` is the index node; "composed": ``source`` is a
     tuple of index nodes applied in turn (``x[a][b]``: user -> group ->
-    candidate), whose composition ``a[b]`` maps candidates to users;
+    candidate), whose composition ``a[b]`` maps candidates to users (the
+    ikbo ops take ``b`` and ``levels=[a]``);
     "counts": ``source`` is the per-user counts node; "uniform": every one
     of ``num_users`` users has ``source`` consecutive candidates (an int, or
     a node computing one); "single": one user, ``source`` is the number of
@@ -1622,9 +1623,7 @@ class _Context:
             if mapping.kind == "index":
                 node = mapping.source
             elif mapping.kind == "composed":
-                node = mapping.source[0]
-                for then in mapping.source[1:]:
-                    node = self.insert(operator.getitem, node, then)
+                node = mapping.source[-1]  # candidates -> groups; levels() takes it on
             elif mapping.kind == "counts":
                 node = self.graph.call_function(
                     torch.repeat_interleave, (mapping.source,), _output_size(broadcast)
@@ -1635,6 +1634,15 @@ class _Context:
                 node = self.insert(_single_user_index, broadcast.node)
             self.indices[mapping] = node
         return self.indices[mapping]
+
+    @staticmethod
+    def levels(broadcast: _Broadcast) -> tuple[list[Node], ...]:
+        """The ikbo op's trailing ``levels`` argument for ``broadcast``: for a
+        multi-level one, the index of each level above the candidates', up to
+        the users (the op composes their maps and caches the result on these
+        tensors, so a CUDA graph capture finds it); none otherwise."""
+        mapping = broadcast.mapping
+        return (list(reversed(mapping.source[:-1])),) if mapping.kind == "composed" else ()
 
     def user(self, broadcast: _Broadcast) -> Node:
         if broadcast.unit_dim is None:
@@ -1821,7 +1829,8 @@ def _match_lce(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match | None:
         e_u = context.concat(users, 1)
         e_c = context.concat(split.candidates, 1)
         w_c, w_u = _column_blocks(context, matrix, split, e_u, e_c)
-        return context.insert(torch.ops.ikbo.lce.default, w_c, w_u, e_c, e_u, index)
+        levels = context.levels(split.broadcasts[0])
+        return context.insert(torch.ops.ikbo.lce.default, w_c, w_u, e_c, e_u, index, *levels)
 
     detail = (
         f"weight {weight.name} [{weight_shape[-2]}, {weight_shape[-1]}] split into "
@@ -1893,7 +1902,10 @@ def _match_linear(
         x_c = context.concat(split.candidates, 1)
         w_c, w_u = _column_blocks(context, operands.node(context, operands.weight), split, x_u, x_c)
         bias = operands.node(context, operands.bias)
-        return context.insert(torch.ops.ikbo.linear.default, w_c, w_u, x_c, x_u, index, bias)
+        levels = context.levels(split.broadcasts[0])
+        return context.insert(
+            torch.ops.ikbo.linear.default, w_c, w_u, x_c, x_u, index, bias, *levels
+        )
 
     weight_name = operands.weight if isinstance(operands.weight, str) else operands.weight.name
     detail = (
@@ -2010,6 +2022,7 @@ def _match_attention(node: Node, broadcasts: dict[Node, _Broadcast]) -> _Match |
             index,
             None,
             None if scale is None else float(scale),
+            *context.levels(key[0]),
         )
         return context.insert(torch.transpose, out, 1, 2)
 
@@ -2185,7 +2198,9 @@ def _match_mha(
         k = project(per_user[0], weights[1], bias, 1)
         v = project(per_user[1], weights[2], bias, 2)
         index = context.index(key, per_user[0])
-        out = context.insert(torch.ops.ikbo.attention.default, q, k, v, index, None, None)
+        out = context.insert(
+            torch.ops.ikbo.attention.default, q, k, v, index, None, None, *context.levels(key)
+        )
         out = context.insert(
             F.linear,
             context.insert(torch.flatten, out, 2),

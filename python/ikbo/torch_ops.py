@@ -90,7 +90,7 @@ import math
 import numbers
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -518,27 +518,70 @@ def _rows(tensor: torch.Tensor) -> int:
     return tensor.shape[0] if tensor.dim() >= 1 else 1
 
 
-def candidate_map(cand_to_user: torch.Tensor, num_users: int) -> _C.CandidateMap:
+def candidate_map(
+    cand_to_user: torch.Tensor, num_users: int, levels: Sequence[torch.Tensor] | None = None
+) -> _C.CandidateMap:
     """The :class:`~ikbo.CandidateMap` of ``cand_to_user`` (a 1-D int32 or int64
     tensor on the CPU or a CUDA device, values in ``[0, num_users)``), from the
     cache the torch ops share; built on first use.
+
+    ``levels``: a request of more levels (user -> vendor -> candidate, say):
+    ``cand_to_user`` maps the candidates to the groups of ``levels[0]``, whose
+    entries map those groups to the next level's, and so on; the last maps to
+    the ``num_users`` users. The map is their composition
+    (:meth:`ikbo.CandidateMap.compose`), cached on all of these tensors.
 
     Call it once per request before capturing a CUDA graph, or to hand the same
     map to :func:`ikbo.lce` / :func:`ikbo.attention` directly.
     """
     _check_tensors(cand_to_user=cand_to_user)
     _check_index_dtype(cand_to_user, "cand_to_user")
+    levels = tuple(levels or ())
+    _check_levels(levels, cand_to_user.device)
     if isinstance(num_users, bool) or not isinstance(num_users, numbers.Integral):
         raise TypeError(f"num_users must be an int, got {type(num_users).__name__}")
     num_users = int(num_users)
-    return _CACHE.get(
-        "CandidateMap",
-        (cand_to_user,),
-        (num_users,),
-        lambda: _C.CandidateMap(
-            _as_int32(cand_to_user, "cand_to_user"), num_users, _stream(cand_to_user)
-        ),
-    )
+
+    def build() -> _C.CandidateMap:
+        stream = _stream(cand_to_user)
+        groups = [level.shape[0] for level in levels] + [num_users]
+        mapping = _level_map(cand_to_user, "cand_to_user", groups[0], stream)
+        for position, level in enumerate(levels):
+            upper = _level_map(level, f"levels[{position}]", groups[position + 1], stream)
+            mapping = _C.CandidateMap.compose(mapping, upper, stream)
+        return mapping
+
+    return _CACHE.get("CandidateMap", (cand_to_user, *levels), (num_users, len(levels)), build)
+
+
+def _level_map(index: torch.Tensor, name: str, groups: int, stream: int) -> _C.CandidateMap:
+    """The map of one level, its errors naming ``name``."""
+    try:
+        return _C.CandidateMap(_as_int32(index, name), groups, stream)
+    except ValueError as error:
+        if name == "cand_to_user":
+            raise
+        raise ValueError(str(error).replace("cand_to_user", name, 1)) from None
+
+
+def _check_levels(levels: Sequence[torch.Tensor], device: torch.device) -> None:
+    """Each level's index: a 1-D int32 or int64 tensor on ``device``."""
+    for position, level in enumerate(levels):
+        name = f"levels[{position}]"
+        _check_tensors(**{name: level})
+        _check_index_dtype(level, name)
+        _check(
+            level.dim() == 1,
+            lambda name=name, level=level: (
+                f"{name} must have 1 dimension, got {level.dim()} (shape {_shape(level)})"
+            ),
+        )
+        _check(
+            level.device == device,
+            lambda name=name, level=level: (
+                f"{name} must be on {device} like cand_to_user, got {level.device}"
+            ),
+        )
 
 
 def build_counts() -> dict[str, int]:
@@ -601,6 +644,7 @@ def lce(
     e_c: torch.Tensor,
     e_u: torch.Tensor,
     cand_to_user: torch.Tensor,
+    levels: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[b] = w_c @ e_c[b] + w_u @ e_u[cand_to_user[b]]``.
 
@@ -609,23 +653,27 @@ def lce(
     returns ``[B, M, N]``. One dtype (float16, bfloat16, float32) and device for
     all; fp32 accumulation, the two partial products summed in fp32 and rounded
     once. The weights are prepared on the first call and reused while unchanged.
+    ``levels``: the candidates reach the users through groups (see
+    :func:`candidate_map`); the map composes them.
     """
     _check_tensors(w_c=w_c, w_u=w_u, e_c=e_c, e_u=e_u, cand_to_user=cand_to_user)
+    _check_levels(levels or (), cand_to_user.device)
     if _rows(e_u) == 0:  # no users, so no candidates: nothing for the library to do
-        return _lce_fake(w_c, w_u, e_c, e_u, cand_to_user)
+        return _lce_fake(w_c, w_u, e_c, e_u, cand_to_user, levels)
 
     def check() -> None:
         _check_lce(w_c, w_u, e_c, e_u, cand_to_user)
 
     _checked_before_copies(check, e_u, 3, e_c, e_u, cand_to_user)
     plan = _lce_plan(w_c, w_u, check)
-    mapping = candidate_map(cand_to_user, e_u.shape[0])
+    mapping = candidate_map(cand_to_user, e_u.shape[0], levels)
     return _lce(plan, None, e_c.contiguous(), e_u.contiguous(), mapping)
 
 
 @lce.register_fake
-def _lce_fake(w_c, w_u, e_c, e_u, cand_to_user):
+def _lce_fake(w_c, w_u, e_c, e_u, cand_to_user, levels=None):
     _check_lce(w_c, w_u, e_c, e_u, cand_to_user)
+    _check_levels(levels or (), cand_to_user.device)
     return e_c.new_empty((e_c.shape[0], w_c.shape[0], e_c.shape[2]))
 
 
@@ -637,6 +685,7 @@ def attention(
     cand_to_user: torch.Tensor,
     kv_offsets: torch.Tensor | None = None,
     scale: float | None = None,
+    levels: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[b, :, h, :] = softmax(scale * q[b, :, h, :] @ k_u[:, h, :]^T) @ v_u[:, h, :]``
     with ``u = cand_to_user[b]``, non-causal.
@@ -647,16 +696,17 @@ def attention(
     softmax gives NaN; U may be 0 only when B is); scale defaults to
     ``1 / sqrt(D)``. Returns q's shape. Note the layout: torch's
     ``scaled_dot_product_attention`` takes ``[B, H, L, D]``, which is
-    ``q.transpose(1, 2)`` of this one.
+    ``q.transpose(1, 2)`` of this one. ``levels`` as for :func:`lce`.
     """
     _check_tensors(q=q, k=k, v=v, cand_to_user=cand_to_user)
+    _check_levels(levels or (), cand_to_user.device)
     if kv_offsets is None:
         no_users = _rows(k) == 0
     else:
         _check_tensors(kv_offsets=kv_offsets)
         no_users = _rows(kv_offsets) <= 1
     if no_users:  # no candidates either: nothing for the library to do
-        return _attention_fake(q, k, v, cand_to_user, kv_offsets, scale)
+        return _attention_fake(q, k, v, cand_to_user, kv_offsets, scale, levels)
 
     def check() -> None:
         _check_attention(q, k, v, cand_to_user, kv_offsets, scale)
@@ -668,15 +718,16 @@ def attention(
     else:
         offsets = _jagged_offsets(kv_offsets, k.shape[0])
         num_users = offsets.num_users
-    mapping = candidate_map(cand_to_user, num_users)
+    mapping = candidate_map(cand_to_user, num_users, levels)
     return _attention(
         q.contiguous(), k.contiguous(), v.contiguous(), mapping, kv_offsets=offsets, scale=scale
     )
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, cand_to_user, kv_offsets=None, scale=None):
+def _attention_fake(q, k, v, cand_to_user, kv_offsets=None, scale=None, levels=None):
     _check_attention(q, k, v, cand_to_user, kv_offsets, scale)
+    _check_levels(levels or (), cand_to_user.device)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -688,6 +739,7 @@ def linear(
     x_u: torch.Tensor,
     cand_to_user: torch.Tensor,
     bias: torch.Tensor | None = None,
+    levels: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``y[b] = x_c[b] @ w_c^T + x_u[cand_to_user[b]] @ w_u^T + bias``: a linear
     layer over ``[user features | candidate features]`` without the replicated
@@ -698,22 +750,24 @@ def linear(
     prepared once), x_c ``[B, Kc]``, x_u ``[U, Ku]`` (U = ``x_u.shape[0]``,
     which may be 0 only when B is), bias ``[N_out]`` or None; returns
     ``[B, N_out]``. The user part, bias included, is computed once per user in
-    fp32 and added in fp32, rounded once.
+    fp32 and added in fp32, rounded once. ``levels`` as for :func:`lce`.
     """
     _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
+    _check_levels(levels or (), cand_to_user.device)
     if _rows(x_u) == 0:  # no users, so no candidates: nothing for the library to do
-        return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias)
+        return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias, levels)
 
     def check() -> None:
         _check_linear(w_c, w_u, x_c, x_u, cand_to_user, bias)
 
     _checked_before_copies(check, x_u, 2, x_c, x_u, cand_to_user)
     plan = _linear_plan(w_c, w_u, bias, check)
-    mapping = candidate_map(cand_to_user, x_u.shape[0])
+    mapping = candidate_map(cand_to_user, x_u.shape[0], levels)
     return _linear(plan, x_c.contiguous(), x_u.contiguous(), mapping)
 
 
 @linear.register_fake
-def _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias=None):
+def _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias=None, levels=None):
     _check_linear(w_c, w_u, x_c, x_u, cand_to_user, bias)
+    _check_levels(levels or (), cand_to_user.device)
     return x_c.new_empty((x_c.shape[0], w_c.shape[0]))

@@ -1487,8 +1487,15 @@ def test_multi_level_broadcasts_are_rewritten(composed_index):
     assert_user_rows_copied_to_vendors_only(report)
     assert multi_level_mappings(report) == MULTI_LEVEL_MAPPINGS, report
     assert ikbo_ops(rewritten) == ["ikbo.attention.default"] + ["ikbo.linear.default"] * 2
-    # Every history row is read by the attention op, none copied per vendor.
+    # Every history row is read by the attention op, none copied per vendor,
+    # and the op composes the levels itself: no composed index in the graph.
     assert not gathers_by(rewritten, "history"), rewritten.graph
+    (attention,) = (
+        n for n in rewritten.graph.nodes if n.target == torch.ops.ikbo.attention.default
+    )
+    assert attention.args[3].name == "cand_to_vendor", rewritten.graph
+    assert [level.name for level in attention.args[-1]] == ["vendor_to_user"], rewritten.graph
+    assert len(gathers_by(rewritten, "vendor_to_user")) == 1, rewritten.graph  # x_u[vendor_to_user]
     other = multi_level_request(1, vendors=(1, 1, 0, 3, 2), candidates=(4, 4, 0, 2, 2, 2, 1))
     assert_same_outputs(rewritten, model, other)
 

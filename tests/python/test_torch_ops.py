@@ -140,6 +140,19 @@ def test_operator_contract():
             randn(generator, (5,)),
         ),
     )
+    # Through a level of 3 groups (cand_to_user's values) to 2 users.
+    torch.library.opcheck(
+        torch.ops.ikbo.attention.default,
+        (
+            randn(generator, (4, 3, 2, 64)),
+            randn(generator, (2, 5, 2, 64)),
+            randn(generator, (2, 5, 2, 64)),
+            cand_to_user,
+            None,
+            None,
+            [torch.tensor([1, 0, 1])],
+        ),
+    )
 
 
 def test_library_errors_reach_the_caller():
@@ -324,6 +337,73 @@ def test_map_is_built_once_per_request_and_weights_once():
         torch.ops.ikbo.attention(q, k, k, cand_to_user)
         assert counting("CandidateMap") == maps + request + 1
     assert counting("LcePlan") == plans + 1
+
+
+def test_levels_compose_the_map_once_for_every_op():
+    """Candidates -> vendors -> users: each op with levels=[vendor_to_user]
+    equals the op on the composed index, and the three share one map."""
+    generator = torch.Generator().manual_seed(31)
+    vendor_to_user = torch.tensor([2, 0, 2, 1, 0])  # 3 users
+    cand_to_vendor = torch.tensor([4, 0, 0, 3, 1, 4, 2])  # vendor ids; 7 candidates
+    composed = vendor_to_user[cand_to_vendor]
+    w_c, w_u, e_c, _, _ = lce_inputs(generator)
+    e_u = randn(generator, (3, w_u.shape[1], e_c.shape[2]))
+    q, k = randn(generator, (7, 2, 1, 64)), randn(generator, (3, 4, 1, 64))
+    x_c, x_u = randn(generator, (7, 3)), randn(generator, (3, 2))
+    lw_c, lw_u = randn(generator, (5, 3)), randn(generator, (5, 2))
+    maps = counting("CandidateMap")
+    levels = [vendor_to_user]
+    results = (
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_vendor, levels),
+        torch.ops.ikbo.attention(q, k, k, cand_to_vendor, levels=levels),
+        torch.ops.ikbo.linear(lw_c, lw_u, x_c, x_u, cand_to_vendor, levels=levels),
+    )
+    assert counting("CandidateMap") == maps + 1
+    expected = (
+        torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, composed),
+        torch.ops.ikbo.attention(q, k, k, composed),
+        torch.ops.ikbo.linear(lw_c, lw_u, x_c, x_u, composed),
+    )
+    for got, want in zip(results, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Three levels: the ids of requests' users (users -> 2 requests).
+    user_to_request = torch.tensor([1, 0, 1])
+    q2 = randn(generator, (7, 2, 1, 64))
+    k2 = randn(generator, (2, 4, 1, 64))
+    torch.testing.assert_close(
+        torch.ops.ikbo.attention(
+            q2, k2, k2, cand_to_vendor, levels=[vendor_to_user, user_to_request]
+        ),
+        torch.ops.ikbo.attention(q2, k2, k2, user_to_request[composed]),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("levels", "cand_to_vendor", "message"),
+    [
+        ([torch.tensor([0, 3, 1])], [0, 1, 2], "levels[0][1] = 3 is out of range [0, 3)"),
+        ([torch.tensor([0, 1, 1])], [0, 3, 2], "cand_to_user[1] = 3 is out of range [0, 3)"),
+        (
+            [torch.tensor([0.0, 1.0])],
+            [0, 1, 1],
+            "levels[0] must have dtype int32 or int64, got float32",
+        ),
+        (
+            [torch.zeros(2, 1, dtype=torch.int64)],
+            [0, 1, 1],
+            "levels[0] must have 1 dimension, got 2",
+        ),
+    ],
+)
+def test_levels_are_checked_by_name(levels, cand_to_vendor, message):
+    generator = torch.Generator().manual_seed(32)
+    q, k = randn(generator, (3, 1, 1, 64)), randn(generator, (3, 4, 1, 64))
+    mapping = torch.tensor(cand_to_vendor)
+    with pytest.raises(ValueError) as error:
+        torch.ops.ikbo.attention(q, k, k, mapping, levels=levels)
+    assert message in str(error.value)
 
 
 def test_in_place_updates_invalidate_cached_state():
@@ -642,6 +722,43 @@ def test_cuda_graph_capture_without_a_prepared_map_is_refused():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="before capturing"), torch.cuda.graph(graph):
         torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, fresh_mapping)
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_a_multi_level_rewrite():
+    """A model whose history reaches the candidates through a vendor level,
+    rewritten: the ops take the levels, so the warm-up's map serves the
+    capture (a composed index made inside each pass would not be found)."""
+    from ikbo import rewrite
+
+    class ThroughVendors(torch.nn.Module):
+        def forward(self, q, history, vendor_to_user, cand_to_vendor):
+            replicated = history[vendor_to_user][cand_to_vendor].transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, replicated, replicated)
+
+    generator = torch.Generator().manual_seed(33)
+    inputs = [
+        randn(generator, (9, 2, 3, 64), torch.float16, "cuda"),
+        randn(generator, (3, 10, 2, 64), torch.float16, "cuda"),
+        torch.tensor([2, 0, 2, 1], device="cuda"),
+        torch.tensor([3, 3, 0, 1, 2, 2, 0, 1, 3], device="cuda"),
+    ]
+    model = ThroughVendors()
+    rewritten = rewrite.optimize(model, inputs, verbose=False)
+    (item,) = rewritten.ikbo_report.rewritten
+    assert item.mapping == "cand_to_user = vendor_to_user[cand_to_vendor]"
+    warm_up = torch.cuda.Stream()
+    warm_up.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm_up):
+        rewritten(*inputs)
+    torch.cuda.current_stream().wait_stream(warm_up)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rewritten(*inputs)
+    inputs[0].copy_(randn(generator, (9, 2, 3, 64), torch.float16))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, model(*inputs), rtol=2e-3, atol=2e-3)
 
 
 def test_nothing_is_reported_leaked_at_exit():
