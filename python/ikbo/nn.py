@@ -15,6 +15,11 @@ and like those operators they are inference-only (no backward).
   candidates' queries onto their user's keys and values (dense ``[U, S, ·]``,
   or jagged rows with offsets), its K/V projections run once per user.
 
+Every forward takes ``levels`` too, for requests of more levels (user ->
+vendor -> candidate): ``cand_to_user`` then maps the candidates to the groups
+of ``levels[0]``, and each level's index maps its groups to the next level's,
+up to the users (:func:`ikbo.torch_ops.candidate_map`).
+
 Models written the replicate-then-compute way need no change: ``ikbo.rewrite``
 turns them into these operators.
 """
@@ -82,10 +87,14 @@ class LCE(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(
-        self, e_u: torch.Tensor, e_c: torch.Tensor, cand_to_user: torch.Tensor
+        self,
+        e_u: torch.Tensor,
+        e_c: torch.Tensor,
+        cand_to_user: torch.Tensor,
+        levels: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         ku = self.user_embeddings
-        return _ikbo.lce(self.weight[:, ku:], self.weight[:, :ku], e_c, e_u, cand_to_user)
+        return _ikbo.lce(self.weight[:, ku:], self.weight[:, :ku], e_c, e_u, cand_to_user, levels)
 
     def extra_repr(self) -> str:
         return (
@@ -149,11 +158,15 @@ class Linear(nn.Module):
         return layer
 
     def forward(
-        self, x_u: torch.Tensor, x_c: torch.Tensor, cand_to_user: torch.Tensor
+        self,
+        x_u: torch.Tensor,
+        x_c: torch.Tensor,
+        cand_to_user: torch.Tensor,
+        levels: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         fu = self.user_features
         return _ikbo.linear(
-            self.weight[:, fu:], self.weight[:, :fu], x_c, x_u, cand_to_user, self.bias
+            self.weight[:, fu:], self.weight[:, :fu], x_c, x_u, cand_to_user, self.bias, levels
         )
 
     def extra_repr(self) -> str:
@@ -256,6 +269,7 @@ class MultiheadAttention(nn.Module):
         value: torch.Tensor,
         cand_to_user: torch.Tensor,
         kv_offsets: torch.Tensor | None = None,
+        levels: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         heads = (self.num_heads, self.head_dim)
         w_q, w_k, w_v = self._projection_weights()
@@ -265,7 +279,7 @@ class MultiheadAttention(nn.Module):
         q = F.linear(query, w_q, b_q).unflatten(-1, heads)  # [B, L, H, D]
         k = F.linear(key, w_k, b_k).unflatten(-1, heads)  # per user: [U, S, H, D] or [total, H, D]
         v = F.linear(value, w_v, b_v).unflatten(-1, heads)
-        out = _ikbo.attention(q, k, v, cand_to_user, kv_offsets)
+        out = _ikbo.attention(q, k, v, cand_to_user, kv_offsets, None, levels)
         return self.out_proj(out.flatten(-2))
 
     def extra_repr(self) -> str:

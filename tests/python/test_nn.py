@@ -162,6 +162,34 @@ def model_request(counts):
     )
 
 
+@pytest.mark.parametrize(("device", "dtype", "tolerance"), DEVICES)
+def test_layers_take_the_levels_of_a_multi_level_request(device, dtype, tolerance):
+    """Candidates -> vendors -> users: ``levels=[vendor_to_user]`` with the
+    candidates' vendor ids equals the layers on the composed mapping."""
+    torch.manual_seed(0)
+    vendor_to_user = mapping(device, counts=(2, 0, 3, 1, 1, 2), seed=1)  # 9 vendors, 6 users
+    cand_to_vendor = mapping(device, counts=(1, 3, 0, 2, 1, 1, 4, 1, 2), seed=2)
+    composed = vendor_to_user[cand_to_vendor]
+    levels = [vendor_to_user]
+    lce = ikbo.nn.LCE(7, 5, 9, device=device, dtype=dtype)
+    linear = ikbo.nn.Linear(6, 10, 8, device=device, dtype=dtype)
+    attention = ikbo.nn.MultiheadAttention(128, 2, device=device, dtype=dtype)
+    e_u, e_c = randn(device, dtype, 6, 7, 16), randn(device, dtype, len(composed), 5, 16)
+    x_u, x_c = randn(device, dtype, 6, 6), randn(device, dtype, len(composed), 10)
+    query, history = randn(device, dtype, len(composed), 4, 128), randn(device, dtype, 6, 33, 128)
+    with torch.no_grad():
+        pairs = (
+            (lce(e_u, e_c, cand_to_vendor, levels), lce(e_u, e_c, composed)),
+            (linear(x_u, x_c, cand_to_vendor, levels), linear(x_u, x_c, composed)),
+            (
+                attention(query, history, history, cand_to_vendor, levels=levels),
+                attention(query, history, history, composed),
+            ),
+        )
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 def test_layers_compile_into_one_graph_over_request_sizes():
     torch.manual_seed(0)
     model = Model().eval()
