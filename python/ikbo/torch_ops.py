@@ -544,6 +544,14 @@ def candidate_map(
 
     def build() -> _C.CandidateMap:
         stream = _stream(cand_to_user)
+        if cand_to_user.shape[0] == 0:  # no candidates: no level is read
+            return _C.CandidateMap(_as_int32(cand_to_user, "cand_to_user"), num_users, stream)
+        for position, level in enumerate(levels):
+            if level.shape[0] == 0:
+                raise ValueError(
+                    f"levels[{position}] has no entries, but the candidates reach the users "
+                    "through it"
+                )
         groups = [level.shape[0] for level in levels] + [num_users]
         mapping = _level_map(cand_to_user, "cand_to_user", groups[0], stream)
         for position, level in enumerate(levels):

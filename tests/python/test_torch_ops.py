@@ -395,15 +395,25 @@ def test_levels_compose_the_map_once_for_every_op():
             [0, 1, 1],
             "levels[0] must have 1 dimension, got 2",
         ),
+        (
+            [torch.tensor([0, 1, 1]), torch.zeros(0, dtype=torch.int64)],
+            [0, 1, 1],
+            "levels[1] has no entries, but the candidates reach the users through it",
+        ),
     ],
 )
 def test_levels_are_checked_by_name(levels, cand_to_vendor, message):
+    """Each wrong level is named; a request without candidates reads none
+    (an empty vendor list is then fine)."""
     generator = torch.Generator().manual_seed(32)
     q, k = randn(generator, (3, 1, 1, 64)), randn(generator, (3, 4, 1, 64))
     mapping = torch.tensor(cand_to_vendor)
     with pytest.raises(ValueError) as error:
         torch.ops.ikbo.attention(q, k, k, mapping, levels=levels)
     assert message in str(error.value)
+    no_candidates = torch.zeros(0, dtype=torch.int64)
+    empty = torch.ops.ikbo.attention(q[:0], k, k, no_candidates, levels=[no_candidates])
+    assert empty.shape == (0, 1, 1, 64)
 
 
 def test_in_place_updates_invalidate_cached_state():
