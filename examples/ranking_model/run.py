@@ -83,6 +83,11 @@ from ikbo.bench import (
 MIB = 1 << 20
 
 
+def vendor_count(num_candidates: int, ratio: int, vendors_per_user: int) -> int:
+    """V of a request with ``vendors_per_user`` vendors per user (at most B)."""
+    return min(users_for_ratio(num_candidates, ratio) * vendors_per_user, num_candidates)
+
+
 def make_request(
     config: RankingConfig,
     num_candidates: int,
@@ -118,7 +123,7 @@ def make_request(
     )
     if not vendors_per_user:
         return (*users, *candidates, mapping(num_candidates, num_users))
-    num_vendors = min(num_users * vendors_per_user, num_candidates)
+    num_vendors = vendor_count(num_candidates, ratio, vendors_per_user)
     return (
         *users,
         normal(num_vendors, config.vendor_features),
@@ -340,8 +345,7 @@ def model_records(
         "attention": config.attention,
     }
     if vendors_per_user:
-        users = users_for_ratio(num_candidates, ratio)
-        shape_fields["V"] = min(users * vendors_per_user, num_candidates)
+        shape_fields["V"] = vendor_count(num_candidates, ratio, vendors_per_user)
         shape_fields["F_v"] = config.vendor_features
     return [
         {
@@ -458,7 +462,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.vendors < 0:
         raise SystemExit(f"--vendors must be >= 0, got {options.vendors}")
     num_users = users_for_ratio(options.B, options.ratio)
-    vendors = f", {min(num_users * options.vendors, options.B)} vendors" if options.vendors else ""
+    vendors = (
+        f", {vendor_count(options.B, options.ratio, options.vendors)} vendors"
+        if options.vendors
+        else ""
+    )
     print(f"device: {device_name(device)}, {dtype_name(dtype)}, torch {torch.__version__}")
     print(
         f"request: B={options.B} candidates, ratio {options.ratio} (U={num_users} users{vendors})"
