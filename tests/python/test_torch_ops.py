@@ -704,17 +704,24 @@ def test_cuda_ops_match_references(dtype_name):
     )
 
 
-@needs_cuda
-def test_cuda_graph_capture_after_warm_up():
-    inputs = [value.cuda() for value in ranking_inputs(torch.Generator().manual_seed(15))]
-    warm_up = torch.cuda.Stream()  # builds the map and the plans outside the capture
+def capture_after_warm_up(step, inputs):
+    """(graph, output) of ``step(*inputs)`` captured after one warm-up pass on
+    a side stream, which builds the map and the plans outside the capture."""
+    warm_up = torch.cuda.Stream()
     warm_up.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(warm_up):
-        ranking_step(*inputs)
+        step(*inputs)
     torch.cuda.current_stream().wait_stream(warm_up)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ranking_step(*inputs)
+        output = step(*inputs)
+    return graph, output
+
+
+@needs_cuda
+def test_cuda_graph_capture_after_warm_up():
+    inputs = [value.cuda() for value in ranking_inputs(torch.Generator().manual_seed(15))]
+    graph, captured = capture_after_warm_up(ranking_step, inputs)
     generator = torch.Generator().manual_seed(16)
     for position in (2, 4, 7):  # new e_c, q, x_c for the same mapping
         inputs[position].copy_(torch.randn(inputs[position].shape, generator=generator))
@@ -757,14 +764,7 @@ def test_cuda_graph_capture_of_a_multi_level_rewrite():
     rewritten = rewrite.optimize(model, inputs, verbose=False)
     (item,) = rewritten.ikbo_report.rewritten
     assert item.mapping == "cand_to_user = vendor_to_user[cand_to_vendor]"
-    warm_up = torch.cuda.Stream()
-    warm_up.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm_up):
-        rewritten(*inputs)
-    torch.cuda.current_stream().wait_stream(warm_up)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = rewritten(*inputs)
+    graph, captured = capture_after_warm_up(rewritten, inputs)
     inputs[0].copy_(randn(generator, (9, 2, 3, 64), torch.float16))
     graph.replay()
     torch.cuda.synchronize()
