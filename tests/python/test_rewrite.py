@@ -1559,6 +1559,33 @@ def test_three_level_broadcasts_compose_into_one_mapping():
     assert_matches(rewritten, ThreeLevels(), inputs)
 
 
+class SelectedThroughTwoLevels(torch.nn.Module):
+    """SDPA over K and V broadcast by ``index_select`` twice."""
+
+    def forward(self, q, k_u, v_u, vendor_to_user, cand_to_vendor):
+        k = k_u.index_select(0, vendor_to_user).index_select(0, cand_to_vendor)
+        v = torch.index_select(torch.index_select(v_u, 0, vendor_to_user), 0, cand_to_vendor)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("graph", ["symbolic_trace", "torch.export"])
+def test_two_levels_of_index_select_compose(graph):
+    generator = torch.Generator().manual_seed(37)
+    inputs = (
+        torch.randn(6, 2, 3, 64, generator=generator),
+        torch.randn(3, 2, 8, 64, generator=generator),
+        torch.randn(3, 2, 8, 64, generator=generator),
+        torch.tensor([1, 1, 0, 2]),
+        torch.tensor([3, 0, 3, 2, 1, 3]),
+    )
+    model = SelectedThroughTwoLevels()
+    rewritten = rewrite.optimize(traced_or_exported(model, inputs, graph), inputs, verbose=False)
+    (item,) = rewritten.ikbo_report.rewritten
+    assert item.op == "ikbo::attention" and not rewritten.ikbo_report.left, rewritten.ikbo_report
+    assert item.mapping == "cand_to_user = vendor_to_user[cand_to_vendor]"
+    assert_matches(rewritten, model, inputs)
+
+
 class ProjectedThroughTwoLevels(torch.nn.Module):
     """K/V projections (and an activation) of a history gathered through two
     levels, then SDPA: the ops move above both gathers."""
