@@ -144,7 +144,8 @@ TEST_P(CandidateMapOnDevice, ComposeMapsEachCandidateToItsGroupsUser) {
   expect_device_copy_matches(map);
   // No candidates: a map of none to the same users.
   auto none = CandidateMap::compose(CandidateMap::build(nullptr, 0, 5, device()), groups);
-  expect_derived_arrays(none, {"composed_empty", {}, 4, {0, 0, 0, 0}, {0, 0, 0, 0, 0}, {}, true, 0});
+  expect_derived_arrays(
+      none, {"composed_empty", {}, 4, {0, 0, 0, 0}, {0, 0, 0, 0, 0}, {}, true, 0});
 }
 
 // Three random levels: the composition is cand_to_user's chain of lookups,
