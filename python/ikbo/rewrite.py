@@ -989,6 +989,9 @@ class _RowOp:
 
     data: tuple[Node, ...]
     rebuild: Callable[[torch.fx.Graph, dict[Node, Node]], Node] | None = None
+    # The operands are multi-level broadcasts spelled differently (x[a][b]
+    # beside y[a[b]]): the op runs on their first level's tensors.
+    through_levels: bool = False
 
 
 def _row_kind_check(
@@ -1244,7 +1247,11 @@ def _row_op(
     if not all(sources):
         return None
     if len({source.mapping for source in sources}) != 1:
-        return "takes operands gathered by different mappings"
+        lifted = [_through_levels(source, _unmodified(broadcasts, hazards)) for source in sources]
+        if len({source.mapping for source in lifted}) != 1 or lifted[0].mapping.kind != "composed":
+            return "takes operands gathered by different mappings"
+        sources = lifted
+        result = dataclasses.replace(result, through_levels=True)
     if not _all_equal([_shape(source.user)[0] for source in sources]):
         return "takes operands gathered from different numbers of users"
     if out[0] != _shape(gathered)[0]:
@@ -1256,6 +1263,15 @@ def _row_op(
     if node in hazards:
         return "has a result that an in-place op may modify"
     return result
+
+
+def _unmodified(broadcasts: dict[Node, _Broadcast], hazards: set[Node]) -> dict[Node, _Broadcast]:
+    """The broadcasts that no in-place op may modify, nor their user tensors."""
+    return {
+        node: item
+        for node, item in broadcasts.items()
+        if node not in hazards and item.user not in hazards
+    }
 
 
 def _output_size(broadcast: _Broadcast) -> dict[str, Any]:
@@ -1272,6 +1288,8 @@ def _candidate_rows(per_user: torch.Tensor, kind: str, source: Any) -> int:
     ``kind`` (see :class:`_Mapping`) from ``source``."""
     if kind == "index":
         return source.shape[0]
+    if kind == "composed":
+        return source[-1].shape[0]
     if kind == "counts":
         return source.sum().item()
     if kind == "uniform":
@@ -1454,6 +1472,14 @@ class _Sinker:
     def regather(self, broadcast: _Broadcast, per_user: Node, rank: int) -> Node:
         """``per_user`` broadcast to the candidates as ``broadcast`` is."""
         mapping = broadcast.mapping
+        if mapping.kind == "composed":  # level by level, each gather row-shaped
+            node = per_user
+            for level, index in enumerate(mapping.source):
+                if level:
+                    self.created.append(node)  # the caller records the last
+                node = self.graph.call_function(operator.getitem, (node, index))
+                node.meta = {"tensor_meta": _dense(_meta(per_user), _shape(index)[0])}
+            return node
         if mapping.kind == "index":
             kind = _kind(broadcast.node)
             if kind == "index":
@@ -1472,14 +1498,18 @@ class _Sinker:
 
     def move(self, consumer: Node, op: _RowOp) -> None:
         """Runs ``consumer`` on the per-user rows and gathers its result."""
-        sources = [self.broadcasts[item] for item in dict.fromkeys(op.data)]
+        found = {item: self.broadcasts[item] for item in op.data}
+        if op.through_levels:
+            unmodified = _unmodified(self.broadcasts, self.hazards)
+            found = {item: _through_levels(source, unmodified) for item, source in found.items()}
+        sources = list(dict.fromkeys(found.values()))
         first = sources[0]
         # An op moved again (above the next gather of a multi-level broadcast)
         # is told as the original op.
         description = self.descriptions.get(consumer) or _describe_op(consumer, self.module)
         out = _meta(consumer)
         with self.graph.inserting_before(consumer):
-            per_user = {item: self.per_user(self.broadcasts[item]) for item in op.data}
+            per_user = {item: self.per_user(source) for item, source in found.items()}
             if op.rebuild is not None:
                 node = op.rebuild(self.graph, per_user)
             else:

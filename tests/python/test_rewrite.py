@@ -1586,6 +1586,47 @@ def test_two_levels_of_index_select_compose(graph):
     assert_matches(rewritten, model, inputs)
 
 
+class MixedSpellings(torch.nn.Module):
+    """Two user tensors broadcast through the same levels, one by chained
+    gathers and one by the composed index, multiplied, then a linear over
+    the product beside candidate features."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(41)
+        self.linear = torch.nn.Linear(4 + 3, 5)
+
+    def forward(self, x_u, y_u, x_c, vendor_to_user, cand_to_vendor):
+        product = x_u[vendor_to_user][cand_to_vendor] * y_u[vendor_to_user[cand_to_vendor]]
+        return self.linear(torch.cat([product, x_c], -1))
+
+
+def test_the_same_levels_spelled_differently_meet_in_one_op():
+    generator = torch.Generator().manual_seed(43)
+
+    def request(candidates):
+        return (
+            torch.randn(3, 4, generator=generator),
+            torch.randn(3, 4, generator=generator),
+            torch.randn(len(candidates), 3, generator=generator),
+            torch.tensor([2, 0, 2, 1]),
+            torch.tensor(candidates),
+        )
+
+    model = MixedSpellings().eval()
+    rewritten = rewrite.optimize(model, request([3, 0, 0, 2, 1, 3]), verbose=False)
+    report = rewritten.ikbo_report
+    (item,) = report.rewritten
+    assert item.op == "ikbo::linear" and not report.left, report
+    assert item.mapping == "cand_to_user = vendor_to_user[cand_to_vendor]"
+    assert item.moved == ["mul"], item
+    assert_matches(rewritten, model, request([1, 1, 3, 0, 2, 2, 0]))
+    requests = [request([3, 0, 0, 2, 1, 3]), request([1, 1, 3, 0, 2, 2, 0]), request([0, 2, 1])]
+    for report in run_compiled(model, requests, dynamic=None):
+        assert [item.op for item in report.rewritten] == ["ikbo::linear"], report
+        assert not report.left, report
+
+
 class ProjectedThroughTwoLevels(torch.nn.Module):
     """K/V projections (and an activation) of a history gathered through two
     levels, then SDPA: the ops move above both gathers."""
