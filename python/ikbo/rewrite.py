@@ -60,7 +60,8 @@ pytorch/pytorch#183916, so there it moves in static-shape graphs only),
 views that keep dim 0 in front at the candidate count
 (``unflatten``, ``view``/``reshape``, ``transpose``/``permute``, slicing past
 dim 0, ...), elementwise ops whose other operand is shared by all rows (a
-bias, a scale; or a broadcast by the same mapping), and concats of
+bias, a scale; or a broadcast by the same mapping, or through the same
+levels spelled otherwise), and concats of
 broadcasts. A broadcast with several such
 consumers (K and V projections of one gathered history) is moved down each
 branch; reads of its shape are answered from the per-user tensor. Anything
