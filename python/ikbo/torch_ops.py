@@ -27,7 +27,8 @@ tensor:
   tensor, at the cost of one device-to-host read of the mapping and a stream
   synchronization; every later op of the request that gets the same tensor
   (or a view of it) reuses it (for a CPU index tensor, after an O(B)
-  comparison: see below);
+  comparison: see below); a request of more levels passes each level's index
+  tensor as ``levels``, and the map composed from them is keyed on all of them;
 - :class:`~ikbo.LcePlan` / ``LinearPlan`` (the weights, copied and padded once)
   are cached the same way on the weight tensors, so a module's parameters are
   prepared on its first call only; slices of one weight (``w[:, :ku]``) are
