@@ -190,6 +190,32 @@ def test_layers_take_the_levels_of_a_multi_level_request(device, dtype, toleranc
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+class LevelledAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = ikbo.nn.MultiheadAttention(128, 2)
+
+    def forward(self, query, history, cand_to_vendor, vendor_to_user):
+        return self.attention(query, history, history, cand_to_vendor, levels=[vendor_to_user])
+
+
+def test_levels_trace_into_compiled_and_exported_graphs():
+    torch.manual_seed(1)
+    model = LevelledAttention().eval()
+    inputs = (
+        randn("cpu", torch.float32, 5, 3, 128),
+        randn("cpu", torch.float32, 2, 7, 128),
+        torch.tensor([0, 2, 1, 1, 0]),
+        torch.tensor([1, 0, 1]),
+    )
+    with torch.no_grad():
+        want = model(*inputs)
+        exported = torch.export.export(model, inputs).module()
+        compiled = torch.compile(model, fullgraph=True, dynamic=True)
+        for got in (exported(*inputs), compiled(*inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_layers_compile_into_one_graph_over_request_sizes():
     torch.manual_seed(0)
     model = Model().eval()
