@@ -316,12 +316,9 @@ class _Mapping:
     def describe(self) -> str:
         source = self.source.name if isinstance(self.source, Node) else self.source
         if self.kind == "index":
-            return f"cand_to_user = {_index_name(self.source)}"
+            return f"cand_to_user = {_chain_name(_index_chain(self.source))}"
         if self.kind == "composed":
-            first, *then = self.source
-            return (
-                f"cand_to_user = {_index_name(first)}{''.join(f'[{_index_name(i)}]' for i in then)}"
-            )
+            return f"cand_to_user = {_chain_name(self.source)}"
         if self.kind == "counts":
             return f"per-user counts {source}"
         if self.kind == "uniform":
@@ -430,12 +427,10 @@ def _through_levels(broadcast: _Broadcast, broadcasts: dict[Node, _Broadcast]) -
     return dataclasses.replace(lifted, mapping=_Mapping("composed", chain))
 
 
-def _index_name(index: Node) -> str:
-    """An index as the graph composes it: ``a[b]`` for a composed one."""
-    gather = _row_gather(index)
-    if gather is None or not _integer_vector(gather[0]):
-        return index.name
-    return f"{_index_name(gather[0])}[{_index_name(gather[1])}]"
+def _chain_name(chain: Sequence[Node]) -> str:
+    """Indices applied in turn, as indexing spells them: ``a[b][c]``."""
+    first, *then = chain
+    return first.name + "".join(f"[{index.name}]" for index in then)
 
 
 def _expand_size(node: Node, dim: int) -> Any:
