@@ -666,7 +666,6 @@ def lce(
     :func:`candidate_map`); the map composes them.
     """
     _check_tensors(w_c=w_c, w_u=w_u, e_c=e_c, e_u=e_u, cand_to_user=cand_to_user)
-    _check_levels(levels or (), cand_to_user.device)
     if _rows(e_u) == 0:  # no users, so no candidates: nothing for the library to do
         return _lce_fake(w_c, w_u, e_c, e_u, cand_to_user, levels)
 
@@ -708,7 +707,6 @@ def attention(
     ``q.transpose(1, 2)`` of this one. ``levels`` as for :func:`lce`.
     """
     _check_tensors(q=q, k=k, v=v, cand_to_user=cand_to_user)
-    _check_levels(levels or (), cand_to_user.device)
     if kv_offsets is None:
         no_users = _rows(k) == 0
     else:
@@ -762,7 +760,6 @@ def linear(
     fp32 and added in fp32, rounded once. ``levels`` as for :func:`lce`.
     """
     _check_tensors(w_c=w_c, w_u=w_u, x_c=x_c, x_u=x_u, cand_to_user=cand_to_user)
-    _check_levels(levels or (), cand_to_user.device)
     if _rows(x_u) == 0:  # no users, so no candidates: nothing for the library to do
         return _linear_fake(w_c, w_u, x_c, x_u, cand_to_user, bias, levels)
 
