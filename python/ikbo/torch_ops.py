@@ -646,7 +646,17 @@ def _linear_plan(
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-@torch.library.custom_op("ikbo::lce", mutates_args=(), tags=_TAGS)
+def _op(name: str, schema: str):
+    """Registers ``ikbo::name`` with its schema spelled out: torch before 2.15
+    infers none for an optional tensor list (``levels``), though it takes one."""
+    return torch.library.custom_op(f"ikbo::{name}", mutates_args=(), tags=_TAGS, schema=schema)
+
+
+@_op(
+    "lce",
+    "(Tensor w_c, Tensor w_u, Tensor e_c, Tensor e_u, Tensor cand_to_user, "
+    "Tensor[]? levels=None) -> Tensor",
+)
 def lce(
     w_c: torch.Tensor,
     w_u: torch.Tensor,
@@ -685,7 +695,11 @@ def _lce_fake(w_c, w_u, e_c, e_u, cand_to_user, levels=None):
     return e_c.new_empty((e_c.shape[0], w_c.shape[0], e_c.shape[2]))
 
 
-@torch.library.custom_op("ikbo::attention", mutates_args=(), tags=_TAGS)
+@_op(
+    "attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor cand_to_user, Tensor? kv_offsets=None, "
+    "float? scale=None, Tensor[]? levels=None) -> Tensor",
+)
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -738,7 +752,11 @@ def _attention_fake(q, k, v, cand_to_user, kv_offsets=None, scale=None, levels=N
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("ikbo::linear", mutates_args=(), tags=_TAGS)
+@_op(
+    "linear",
+    "(Tensor w_c, Tensor w_u, Tensor x_c, Tensor x_u, Tensor cand_to_user, Tensor? bias=None, "
+    "Tensor[]? levels=None) -> Tensor",
+)
 def linear(
     w_c: torch.Tensor,
     w_u: torch.Tensor,
