@@ -39,6 +39,16 @@ class CandidateMap {
   // any) lives on the tensor's device. A device tensor is read back once.
   static CandidateMap build(const Tensor& cand_to_user, std::int64_t num_users,
                             Stream stream = nullptr);
+  // Multi-level, from the index tensors of a request: cand_to_user maps the
+  // candidates to the groups of levels[0] (its entries), levels[i] maps those
+  // groups to the groups of levels[i + 1], and the last level to num_users
+  // users. The same map as composing each level's map (below), built with
+  // one read of each tensor and one device copy, of the result; every entry
+  // of every level is checked, and an error names the level ("levels[1][4]
+  // = 9 is out of range [0, 7)"). All on cand_to_user's device. A request
+  // without candidates reads no level.
+  static CandidateMap build(const Tensor& cand_to_user, std::span<const Tensor> levels,
+                            std::int64_t num_users, Stream stream = nullptr);
   // Multi-level broadcast (user -> group -> candidate, say user -> vendor
   // -> item): the map of each candidate to its group's user,
   // cand_to_user[b] = group_to_user.cand_to_user()[to_group.cand_to_user()[b]].

@@ -529,8 +529,9 @@ def candidate_map(
     ``levels``: a request of more levels (user -> vendor -> candidate, say):
     ``cand_to_user`` maps the candidates to the groups of ``levels[0]``, whose
     entries map those groups to the next level's, and so on; the last maps to
-    the ``num_users`` users. The map is their composition
-    (:meth:`ikbo.CandidateMap.compose`), cached on all of these tensors.
+    the ``num_users`` users. The map is their composition (as
+    :meth:`ikbo.CandidateMap.compose` gives, with each tensor read once and
+    only the result copied to the device), cached on all of these tensors.
 
     Call it once per request before capturing a CUDA graph, or to hand the same
     map to :func:`ikbo.lce` / :func:`ikbo.attention` directly.
@@ -544,33 +545,15 @@ def candidate_map(
     num_users = int(num_users)
 
     def build() -> _C.CandidateMap:
-        stream = _stream(cand_to_user)
-        if cand_to_user.shape[0] == 0:  # no candidates: no level is read
-            return _C.CandidateMap(_as_int32(cand_to_user, "cand_to_user"), num_users, stream)
-        for position, level in enumerate(levels):
-            if level.shape[0] == 0:
-                raise ValueError(
-                    f"levels[{position}] has no entries, but the candidates reach the users "
-                    "through it"
-                )
-        groups = [level.shape[0] for level in levels] + [num_users]
-        mapping = _level_map(cand_to_user, "cand_to_user", groups[0], stream)
-        for position, level in enumerate(levels):
-            upper = _level_map(level, f"levels[{position}]", groups[position + 1], stream)
-            mapping = _C.CandidateMap.compose(mapping, upper, stream)
-        return mapping
+        read = levels if cand_to_user.shape[0] else ()  # no candidates: no level is read
+        return _C.CandidateMap(
+            _as_int32(cand_to_user, "cand_to_user"),
+            num_users,
+            _stream(cand_to_user),
+            [_as_int32(level, f"levels[{position}]") for position, level in enumerate(read)],
+        )
 
     return _CACHE.get("CandidateMap", (cand_to_user, *levels), (num_users, len(levels)), build)
-
-
-def _level_map(index: torch.Tensor, name: str, groups: int, stream: int) -> _C.CandidateMap:
-    """The map of one level, its errors naming ``name``."""
-    try:
-        return _C.CandidateMap(_as_int32(index, name), groups, stream)
-    except ValueError as error:
-        if name == "cand_to_user":
-            raise
-        raise ValueError(str(error).replace("cand_to_user", name, 1)) from None
 
 
 def _check_levels(levels: Sequence[torch.Tensor], device: torch.device) -> None:

@@ -27,6 +27,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "baselines.hpp"
 #include "ikbo/ikbo.hpp"
@@ -225,17 +226,29 @@ void bind_candidate_map(nb::module_& m) {
       .def(
           "__init__",
           [](ikbo::CandidateMap* self, nb::handle cand_to_user, std::int64_t num_users,
-             std::uintptr_t stream) {
+             std::uintptr_t stream, nb::sequence levels) {
             const InputArray array = int32_input(cand_to_user, "cand_to_user");
             const ikbo::Tensor view = to_tensor(array, "cand_to_user", Elements::int32);
+            std::vector<InputArray> level_arrays;  // keep the levels' exports alive
+            std::vector<ikbo::Tensor> level_views;
+            for (std::size_t i = 0; i < nb::len(levels); ++i) {
+              const std::string name = "levels[" + std::to_string(i) + "]";
+              level_arrays.push_back(int32_input(levels[i], name));
+              level_views.push_back(to_tensor(level_arrays.back(), name, Elements::int32));
+            }
             nb::gil_scoped_release release;
-            new (self)
-                ikbo::CandidateMap(ikbo::CandidateMap::build(view, num_users, to_stream(stream)));
+            new (self) ikbo::CandidateMap(
+                ikbo::CandidateMap::build(view, level_views, num_users, to_stream(stream)));
           },
-          "cand_to_user"_a.none(), "num_users"_a, "stream"_a = 0,
+          "cand_to_user"_a.none(), "num_users"_a, "stream"_a = 0, "levels"_a = nb::tuple(),
           "Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
           "or a CUDA device (the map lives where the tensor is), or from a list of ints.\n"
-          "`stream` orders the device copies, which are synchronized before returning.")
+          "`stream` orders the device copies, which are synchronized before returning.\n"
+          "`levels`: a request of more levels (user -> vendor -> candidate, say): cand_to_user\n"
+          "maps the candidates to the groups of levels[0] (its entries), each level its groups\n"
+          "to the next level's, the last to the num_users users; the map of each candidate to\n"
+          "its user, as compose() of each level's map gives, with every tensor read once and\n"
+          "only the result copied to the device. All on one device; an error names the level.")
       .def_static(
           "compose",
           [](const ikbo::CandidateMap& to_group, const ikbo::CandidateMap& group_to_user,

@@ -2,6 +2,7 @@
 // per-user arrays, and their device copies.
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "api/state.hpp"
@@ -36,12 +37,17 @@ std::shared_ptr<void> upload(std::initializer_list<const std::vector<std::int32_
   return storage;
 }
 
-std::vector<std::int32_t> read_int32(const Tensor& tensor, std::string_view name, Stream stream) {
+// Checks a 1-D int32 index tensor on `device`.
+void check_index(const Tensor& tensor, std::string_view name, Device device) {
   detail::require(tensor.dtype == DType::i32, name, " must have dtype int32, got ",
                   dtype_name(tensor.dtype));
   detail::require(tensor.rank == 1, name, " must have 1 dimension, got ", tensor.rank,
                   " (shape ", tensor.shape_string(), ")");
-  detail::check_tensor(tensor, name, DType::i32, tensor.device, 1);
+  detail::check_tensor(tensor, name, DType::i32, device, 1);
+}
+
+// The values of a checked index tensor, on the host.
+std::vector<std::int32_t> read_int32(const Tensor& tensor, std::string_view name, Stream stream) {
   std::vector<std::int32_t> values(static_cast<std::size_t>(tensor.size(0)));
   if (values.empty()) return values;
   if (tensor.device.is_cuda()) {
@@ -108,9 +114,52 @@ CandidateMap CandidateMap::build(const std::int32_t* cand_to_user, std::int64_t 
 
 CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::int64_t num_users,
                                  Stream stream) {
+  return build(cand_to_user, {}, num_users, stream);
+}
+
+CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::span<const Tensor> levels,
+                                 std::int64_t num_users, Stream stream) {
+  using detail::require;
+  const Device device = cand_to_user.device;
+  check_index(cand_to_user, "cand_to_user", device);
+  const auto level_name = [](std::size_t position) {
+    return "levels[" + std::to_string(position) + "]";
+  };
+  for (std::size_t i = 0; i < levels.size(); ++i) {
+    const Tensor& level = levels[i];
+    require(level.device == device, level_name(i), " must be on ", device_name(device),
+            " like cand_to_user, got ", device_name(level.device));
+    check_index(level, level_name(i), device);
+  }
   auto values = read_int32(cand_to_user, "cand_to_user", stream);
-  return build(values.data(), static_cast<std::int64_t>(values.size()), num_users,
-               cand_to_user.device, stream);
+  if (!levels.empty() && !values.empty()) {  // no candidates: no level is read
+    require(num_users >= 1 && num_users <= detail::kMaxExtent, "num_users must be in [1, ",
+            detail::kMaxExtent, "], got ", num_users);
+    for (std::size_t i = 0; i < levels.size(); ++i) {
+      require(levels[i].size(0) > 0, level_name(i),
+              " has no entries, but the candidates reach the users through it");
+    }
+    // Each candidate's group, level by level; each level is checked whole.
+    for (std::size_t i = 0; i < levels.size(); ++i) {
+      const std::string name = level_name(i);
+      const auto groups = read_int32(levels[i], name, stream);
+      if (i == 0) {  // the later levels' inputs are in range by the checks below
+        for (std::size_t b = 0; b < values.size(); ++b) {
+          require(values[b] >= 0 && static_cast<std::size_t>(values[b]) < groups.size(),
+                  "cand_to_user[", b, "] = ", values[b], " is out of range [0, ", groups.size(),
+                  ")");
+        }
+      }
+      const std::int64_t next = i + 1 < levels.size() ? levels[i + 1].size(0) : num_users;
+      for (std::size_t g = 0; g < groups.size(); ++g) {
+        require(groups[g] >= 0 && groups[g] < next, name, "[", g, "] = ", groups[g],
+                " is out of range [0, ", next, ")");
+      }
+      for (auto& value : values) value = groups[static_cast<std::size_t>(value)];
+    }
+  }
+  return build(values.data(), static_cast<std::int64_t>(values.size()), num_users, device,
+               stream);
 }
 
 CandidateMap CandidateMap::compose(const CandidateMap& to_group,

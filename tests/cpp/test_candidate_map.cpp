@@ -190,6 +190,91 @@ TEST_P(CandidateMapOnDevice, ComposeRejectsLevelsThatDoNotMeet) {
   }
 }
 
+// Built from the level tensors of a request: the same map as composing each
+// level's map, both for the known two levels above and for three random ones.
+TEST_P(CandidateMapOnDevice, BuildFromLevelsMatchesComposingTheirMaps) {
+  const Ints to_group = {3, 1, 3, 0, 2}, group_to_user = {2, 0, 2, 1, 0};
+  const auto cand_to_group = DeviceTensor::int32(device(), to_group);
+  const auto groups = DeviceTensor::int32(device(), group_to_user);
+  const std::vector<Tensor> one_level = {groups.view()};
+  auto map = CandidateMap::build(cand_to_group.view(), one_level, 4);
+  EXPECT_EQ(map.device(), device());
+  expect_derived_arrays(map, {"from_levels",
+                              {1, 0, 1, 2, 2},
+                              4,
+                              {1, 2, 2, 0},
+                              {0, 1, 3, 5, 5},
+                              {1, 0, 2, 3, 4},
+                              false,
+                              2});
+  expect_device_copy_matches(map);
+
+  SeededRng rng;
+  const std::int64_t items = 433, vendors = 37, users = 5, requests = 3;
+  const Ints item_vendor = rng.candidate_map(items, vendors, MapOrder::uneven_unsorted);
+  const Ints vendor_user = rng.candidate_map(vendors, users, MapOrder::uneven_unsorted);
+  const Ints user_request = rng.candidate_map(users, requests, MapOrder::uneven_unsorted);
+  const auto items_tensor = DeviceTensor::int32(device(), item_vendor);
+  const auto vendors_tensor = DeviceTensor::int32(device(), vendor_user);
+  const auto users_tensor = DeviceTensor::int32(device(), user_request);
+  const std::vector<Tensor> levels = {vendors_tensor.view(), users_tensor.view()};
+  const auto built = CandidateMap::build(items_tensor.view(), levels, requests);
+  const auto composed = CandidateMap::compose(
+      CandidateMap::build(item_vendor.data(), items, vendors, device()),
+      CandidateMap::compose(CandidateMap::build(vendor_user.data(), vendors, users, device()),
+                            CandidateMap::build(user_request.data(), users, requests, device())));
+  EXPECT_EQ(to_vector(built.cand_to_user()), to_vector(composed.cand_to_user()));
+  EXPECT_EQ(to_vector(built.user_offsets()), to_vector(composed.user_offsets()));
+  EXPECT_EQ(to_vector(built.candidates_by_user()), to_vector(composed.candidates_by_user()));
+  EXPECT_EQ(built.is_sorted(), composed.is_sorted());
+  EXPECT_EQ(built.max_count(), composed.max_count());
+  expect_device_copy_matches(built);
+  // No levels: the one-level build.
+  EXPECT_EQ(to_vector(CandidateMap::build(items_tensor.view(), {}, vendors).cand_to_user()),
+            item_vendor);
+}
+
+TEST_P(CandidateMapOnDevice, BuildFromLevelsNamesTheLevelThatIsWrong) {
+  const auto cand_to_group = DeviceTensor::int32(device(), Ints{0, 2, 1});
+  const auto three_groups = DeviceTensor::int32(device(), Ints{1, 0, 1});
+  const auto check = [&](std::vector<Tensor> levels, std::int64_t num_users,
+                         std::initializer_list<std::string_view> expected) {
+    return throws_invalid_argument(
+        [&] { CandidateMap::build(cand_to_group.view(), levels, num_users); }, expected);
+  };
+  // Every entry of a level is checked, including groups no candidate reaches.
+  const auto four_groups = DeviceTensor::int32(device(), Ints{0, 1, 1, 5});
+  EXPECT_TRUE(check({four_groups.view()}, 2, {"levels[0][3] = 5 is out of range [0, 2)"}));
+  const auto two_groups = DeviceTensor::int32(device(), Ints{0, 1});
+  EXPECT_TRUE(check({two_groups.view()}, 2, {"cand_to_user[1] = 2 is out of range [0, 2)"}));
+  EXPECT_TRUE(check({three_groups.view(), two_groups.view()}, 1,
+                    {"levels[1][1] = 1 is out of range [0, 1)"}));
+  const auto no_groups = DeviceTensor::int32(device(), Ints{});
+  EXPECT_TRUE(check({no_groups.view()}, 2,
+                    {"levels[0] has no entries, but the candidates reach the users through it"}));
+  EXPECT_TRUE(check({three_groups.view()}, 0, {"num_users must be in [1, ", "got 0"}));
+  Tensor as_float = three_groups.view();
+  as_float.dtype = DType::f32;
+  EXPECT_TRUE(check({three_groups.view(), as_float}, 2,
+                    {"levels[1] must have dtype int32, got float32"}));
+  Tensor as_matrix(three_groups.view().data, DType::i32, {1, 3}, device());
+  EXPECT_TRUE(check({as_matrix}, 2, {"levels[0] must have 1 dimension"}));
+  if (device().is_cuda()) {
+    const Ints on_host = {1, 0, 1};
+    const Tensor host_level(const_cast<std::int32_t*>(on_host.data()), DType::i32, {3},
+                            Device::cpu());
+    EXPECT_TRUE(check({host_level}, 2, {"levels[0] must be on cuda:", "like cand_to_user, got cpu"}));
+  }
+  // A request without candidates reads no level, though each is checked as a tensor.
+  const auto none = DeviceTensor::int32(device(), Ints{});
+  auto empty = CandidateMap::build(none.view(), std::vector<Tensor>{no_groups.view()}, 3);
+  EXPECT_EQ(empty.num_candidates(), 0);
+  EXPECT_EQ(empty.num_users(), 3);
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { CandidateMap::build(none.view(), std::vector<Tensor>{as_matrix}, 3); },
+      {"levels[0] must have 1 dimension"}));
+}
+
 // Checks every derived array of a large random map against its definition.
 TEST_P(CandidateMapOnDevice, RandomUnevenUnsortedMapSatisfiesInvariants) {
   SeededRng rng;

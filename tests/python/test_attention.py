@@ -98,6 +98,30 @@ def test_attention_over_a_composed_map_reads_each_users_history():
     out = ikbo.attention(q, k, v, composed)
     expected = attention_reference(q, k[vendor_to_user], v[vendor_to_user], cand_to_vendor)
     assert_close(out, expected, "float32")
+    # Built from the request's index tensors, the same map.
+    from_levels = ikbo.CandidateMap(cand_to_vendor, 4, levels=[vendor_to_user])
+    np.testing.assert_array_equal(from_levels.cand_to_user, composed.cand_to_user)
+    np.testing.assert_array_equal(from_levels.candidates_by_user, composed.candidates_by_user)
+    np.testing.assert_array_equal(ikbo.attention(q, k, v, from_levels), out)
+
+
+@pytest.mark.parametrize(
+    ("cand_to_vendor", "levels", "num_users", "message"),
+    [
+        ([0, 2, 1], [[1, 0, 1, 5]], 2, "levels[0][3] = 5 is out of range [0, 2)"),
+        ([0, 3, 1], [[1, 0, 1]], 2, "cand_to_user[1] = 3 is out of range [0, 3)"),
+        ([0, 2, 1], [[1, 0, 1], [0, 1]], 1, "levels[1][1] = 1 is out of range [0, 1)"),
+        ([0, 2, 1], [[1, 0, 1], []], 1, "levels[1] has no entries, but the candidates reach"),
+        ([0, 2, 1], [[1, 0, 1.5]], 2, "levels[0] must be a list of ints"),
+        ([0, 2, 1], [np.zeros((1, 3), np.int32)], 2, "levels[0] must have 1 dimension"),
+    ],
+)
+def test_candidate_map_from_levels_names_the_level_that_is_wrong(
+    cand_to_vendor, levels, num_users, message
+):
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap(np.array(cand_to_vendor, np.int32), num_users, levels=levels)
+    assert message in str(error.value)
 
 
 def test_attention_zero_candidates():

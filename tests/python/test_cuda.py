@@ -238,6 +238,21 @@ def test_candidate_maps_compose_on_cuda():
     assert str(error.value) == (
         "to_group and group_to_user must be on one device, got cuda:0 and cpu"
     )
+    # From the index tensors: the same map, its device copy built once.
+    from_levels = ikbo.CandidateMap(
+        torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEVICE),
+        3,
+        levels=[torch.tensor([2, 0, 2, 1], dtype=torch.int32, device=DEVICE)],
+    )
+    assert from_levels.device == "cuda:0"
+    np.testing.assert_array_equal(from_levels.cand_to_user, [1, 0, 1, 2])
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap(
+            torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEVICE),
+            3,
+            levels=[np.array([2, 0, 2, 1], dtype=np.int32)],
+        )
+    assert str(error.value) == "levels[0] must be on cuda:0 like cand_to_user, got cpu"
 
 
 def test_runs_on_the_current_stream():
