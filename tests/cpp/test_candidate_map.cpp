@@ -126,22 +126,23 @@ TEST_P(CandidateMapOnDevice, IdentityGivesEveryCandidateItsOwnUser) {
 }
 
 // Multi-level: candidates -> groups (group 4 has none) -> users (user 3 has
-// no group), both unsorted.
-TEST_P(CandidateMapOnDevice, ComposeMapsEachCandidateToItsGroupsUser) {
+// no group), both unsorted; composed from the levels' maps and built from
+// the level tensors.
+TEST_P(CandidateMapOnDevice, TwoLevelsMapEachCandidateToItsGroupsUser) {
   const Ints to_group = {3, 1, 3, 0, 2}, group_to_user = {2, 0, 2, 1, 0};
+  const KnownMap expected = {
+      "two_levels", {1, 0, 1, 2, 2}, 4, {1, 2, 2, 0}, {0, 1, 3, 5, 5}, {1, 0, 2, 3, 4}, false, 2};
   auto candidates = CandidateMap::build(to_group.data(), 5, 5, device());
   auto groups = CandidateMap::build(group_to_user.data(), 5, 4, device());
-  auto map = CandidateMap::compose(candidates, groups);
-  EXPECT_EQ(map.device(), device());
-  expect_derived_arrays(map, {"composed",
-                              {1, 0, 1, 2, 2},
-                              4,
-                              {1, 2, 2, 0},
-                              {0, 1, 3, 5, 5},
-                              {1, 0, 2, 3, 4},
-                              false,
-                              2});
-  expect_device_copy_matches(map);
+  const auto cand_to_group = DeviceTensor::int32(device(), to_group);
+  const auto group_tensor = DeviceTensor::int32(device(), group_to_user);
+  const std::vector<Tensor> levels = {group_tensor.view()};
+  for (const auto& map : {CandidateMap::compose(candidates, groups),
+                          CandidateMap::build(cand_to_group.view(), levels, 4)}) {
+    EXPECT_EQ(map.device(), device());
+    expect_derived_arrays(map, expected);
+    expect_device_copy_matches(map);
+  }
   // No candidates: a map of none to the same users.
   auto none = CandidateMap::compose(CandidateMap::build(nullptr, 0, 5, device()), groups);
   expect_derived_arrays(
@@ -149,7 +150,7 @@ TEST_P(CandidateMapOnDevice, ComposeMapsEachCandidateToItsGroupsUser) {
 }
 
 // Three random levels: the composition is cand_to_user's chain of lookups,
-// and associative.
+// and associative; built from the level tensors, the same map.
 TEST_P(CandidateMapOnDevice, ComposeFollowsEveryLevelOfRandomMaps) {
   SeededRng rng;
   const std::int64_t items = 500, vendors = 61, users = 7, requests = 3;
@@ -171,6 +172,20 @@ TEST_P(CandidateMapOnDevice, ComposeFollowsEveryLevelOfRandomMaps) {
   EXPECT_EQ(to_vector(left.cand_to_user()), expected);
   EXPECT_EQ(to_vector(right.cand_to_user()), expected);
   EXPECT_EQ(to_vector(left.candidates_by_user()), to_vector(right.candidates_by_user()));
+  const auto items_tensor = DeviceTensor::int32(device(), item_vendor);
+  const auto vendors_tensor = DeviceTensor::int32(device(), vendor_user);
+  const auto users_tensor = DeviceTensor::int32(device(), user_request);
+  const std::vector<Tensor> levels = {vendors_tensor.view(), users_tensor.view()};
+  const auto built = CandidateMap::build(items_tensor.view(), levels, requests);
+  EXPECT_EQ(to_vector(built.cand_to_user()), expected);
+  EXPECT_EQ(to_vector(built.user_offsets()), to_vector(left.user_offsets()));
+  EXPECT_EQ(to_vector(built.candidates_by_user()), to_vector(left.candidates_by_user()));
+  EXPECT_EQ(built.is_sorted(), left.is_sorted());
+  EXPECT_EQ(built.max_count(), left.max_count());
+  expect_device_copy_matches(built);
+  // No levels: the one-level build.
+  EXPECT_EQ(to_vector(CandidateMap::build(items_tensor.view(), {}, vendors).cand_to_user()),
+            item_vendor);
 }
 
 TEST_P(CandidateMapOnDevice, ComposeRejectsLevelsThatDoNotMeet) {
@@ -188,50 +203,6 @@ TEST_P(CandidateMapOnDevice, ComposeRejectsLevelsThatDoNotMeet) {
         [&] { CandidateMap::compose(candidates, on_host); },
         {"to_group and group_to_user must be on one device, got cuda:", " and cpu"}));
   }
-}
-
-// Built from the level tensors of a request: the same map as composing each
-// level's map, both for the known two levels above and for three random ones.
-TEST_P(CandidateMapOnDevice, BuildFromLevelsMatchesComposingTheirMaps) {
-  const Ints to_group = {3, 1, 3, 0, 2}, group_to_user = {2, 0, 2, 1, 0};
-  const auto cand_to_group = DeviceTensor::int32(device(), to_group);
-  const auto groups = DeviceTensor::int32(device(), group_to_user);
-  const std::vector<Tensor> one_level = {groups.view()};
-  auto map = CandidateMap::build(cand_to_group.view(), one_level, 4);
-  EXPECT_EQ(map.device(), device());
-  expect_derived_arrays(map, {"from_levels",
-                              {1, 0, 1, 2, 2},
-                              4,
-                              {1, 2, 2, 0},
-                              {0, 1, 3, 5, 5},
-                              {1, 0, 2, 3, 4},
-                              false,
-                              2});
-  expect_device_copy_matches(map);
-
-  SeededRng rng;
-  const std::int64_t items = 433, vendors = 37, users = 5, requests = 3;
-  const Ints item_vendor = rng.candidate_map(items, vendors, MapOrder::uneven_unsorted);
-  const Ints vendor_user = rng.candidate_map(vendors, users, MapOrder::uneven_unsorted);
-  const Ints user_request = rng.candidate_map(users, requests, MapOrder::uneven_unsorted);
-  const auto items_tensor = DeviceTensor::int32(device(), item_vendor);
-  const auto vendors_tensor = DeviceTensor::int32(device(), vendor_user);
-  const auto users_tensor = DeviceTensor::int32(device(), user_request);
-  const std::vector<Tensor> levels = {vendors_tensor.view(), users_tensor.view()};
-  const auto built = CandidateMap::build(items_tensor.view(), levels, requests);
-  const auto composed = CandidateMap::compose(
-      CandidateMap::build(item_vendor.data(), items, vendors, device()),
-      CandidateMap::compose(CandidateMap::build(vendor_user.data(), vendors, users, device()),
-                            CandidateMap::build(user_request.data(), users, requests, device())));
-  EXPECT_EQ(to_vector(built.cand_to_user()), to_vector(composed.cand_to_user()));
-  EXPECT_EQ(to_vector(built.user_offsets()), to_vector(composed.user_offsets()));
-  EXPECT_EQ(to_vector(built.candidates_by_user()), to_vector(composed.candidates_by_user()));
-  EXPECT_EQ(built.is_sorted(), composed.is_sorted());
-  EXPECT_EQ(built.max_count(), composed.max_count());
-  expect_device_copy_matches(built);
-  // No levels: the one-level build.
-  EXPECT_EQ(to_vector(CandidateMap::build(items_tensor.view(), {}, vendors).cand_to_user()),
-            item_vendor);
 }
 
 TEST_P(CandidateMapOnDevice, BuildFromLevelsNamesTheLevelThatIsWrong) {
@@ -263,7 +234,8 @@ TEST_P(CandidateMapOnDevice, BuildFromLevelsNamesTheLevelThatIsWrong) {
     const Ints on_host = {1, 0, 1};
     const Tensor host_level(const_cast<std::int32_t*>(on_host.data()), DType::i32, {3},
                             Device::cpu());
-    EXPECT_TRUE(check({host_level}, 2, {"levels[0] must be on cuda:", "like cand_to_user, got cpu"}));
+    EXPECT_TRUE(
+        check({host_level}, 2, {"levels[0] must be on cuda:", "like cand_to_user, got cpu"}));
   }
   // A request without candidates reads no level, though each is checked as a tensor.
   const auto none = DeviceTensor::int32(device(), Ints{});
