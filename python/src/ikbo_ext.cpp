@@ -226,12 +226,19 @@ void bind_candidate_map(nb::module_& m) {
       .def(
           "__init__",
           [](ikbo::CandidateMap* self, nb::handle cand_to_user, std::int64_t num_users,
-             std::uintptr_t stream, nb::sequence levels) {
+             std::uintptr_t stream, nb::handle levels) {
+            if (!levels.is_none() && !nb::isinstance<nb::list>(levels) &&
+                !nb::isinstance<nb::tuple>(levels)) {
+              const std::string given = nb::type_name(levels.type()).c_str();
+              throw nb::type_error(
+                  ("levels must be a list or tuple of index tensors, or None, got " + given)
+                      .c_str());
+            }
             const InputArray array = int32_input(cand_to_user, "cand_to_user");
             const ikbo::Tensor view = to_tensor(array, "cand_to_user", Elements::int32);
             std::vector<InputArray> level_arrays;  // keep the levels' exports alive
             std::vector<ikbo::Tensor> level_views;
-            for (std::size_t i = 0; i < nb::len(levels); ++i) {
+            for (std::size_t i = 0; !levels.is_none() && i < nb::len(levels); ++i) {
               const std::string name = "levels[" + std::to_string(i) + "]";
               level_arrays.push_back(int32_input(levels[i], name));
               level_views.push_back(to_tensor(level_arrays.back(), name, Elements::int32));
@@ -240,7 +247,7 @@ void bind_candidate_map(nb::module_& m) {
             new (self) ikbo::CandidateMap(
                 ikbo::CandidateMap::build(view, level_views, num_users, to_stream(stream)));
           },
-          "cand_to_user"_a.none(), "num_users"_a, "stream"_a = 0, "levels"_a = nb::tuple(),
+          "cand_to_user"_a.none(), "num_users"_a, "stream"_a = 0, "levels"_a.none() = nb::none(),
           "Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
           "or a CUDA device (the map lives where the tensor is), or from a list of ints.\n"
           "`stream` orders the device copies, which are synchronized before returning.\n"

@@ -105,6 +105,19 @@ def test_attention_over_a_composed_map_reads_each_users_history():
     np.testing.assert_array_equal(ikbo.attention(q, k, v, from_levels), out)
 
 
+def test_candidate_map_levels_are_a_list_tuple_or_none():
+    cand_to_vendor = np.array([0, 1, 1], np.int32)
+    for levels in (None, (), []):
+        np.testing.assert_array_equal(
+            ikbo.CandidateMap(cand_to_vendor, 2, levels=levels).cand_to_user, cand_to_vendor
+        )
+    with pytest.raises(TypeError) as error:
+        ikbo.CandidateMap(cand_to_vendor, 2, levels=np.array([0, 1], np.int32))
+    message = str(error.value)
+    assert message.startswith("levels must be a list or tuple of index tensors, or None, got ")
+    assert message.endswith("ndarray")
+
+
 @pytest.mark.parametrize(
     ("cand_to_vendor", "levels", "num_users", "message"),
     [
