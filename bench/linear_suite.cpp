@@ -3,16 +3,15 @@
 // candidate features), against
 //   broadcast       F.linear's GEMM on the replicated, concatenated input:
 //                   baseline::linear_concat (one cuBLASLt matmul with the
-//                   bias epilogue) over x_full[b] = [x_u[u(b)] | x_c[b]],
-//                   made beforehand;
+//                   bias epilogue; on the CPU one sgemm onto the bias rows)
+//                   over x_full[b] = [x_u[u(b)] | x_c[b]], made beforehand;
 //   broadcast+copy  the same with the replication (baseline::replicate_linear_input);
 //   decomposed      baseline::linear_decomposed: ikbo::linear's cuBLAS path
 //                   (user GEMM with the bias at U rows, candidate GEMM at B
 //                   rows into fp32 partials, combine kernel) on any GPU; on
 //                   a Hopper GPU ikbo runs the kernel that adds the user part
-//                   in the GEMM epilogue instead.
-// The baselines are cuBLAS calls: on the CPU they are skipped (the CPU
-// backend's ikbo computes the decomposed form).
+//                   in the GEMM epilogue instead. On the CPU it is skipped:
+//                   the CPU backend's ikbo computes that decomposed form.
 //
 // Work, the same for every variant (python/ikbo/bench.py's linear suite):
 // FLOPs = 2*N_out*(B*Kc + U*Ku); minimum bytes read x_c, x_u, the weight and
@@ -106,36 +105,34 @@ std::vector<Record> run_linear_suite(const BenchContext& context) {
       records.measure(
           kIkbo, [&] { linear(plan, x_c_view, x_u_view, map, out_view, stream, ikbo_workspace); });
 
-      if (!device.is_cuda()) {
-        for (const std::string_view variant : {kBroadcast, kBroadcastCopy, kDecomposed}) {
-          records.skip(variant,
-                       "a cuBLAS baseline; on the CPU, ikbo itself computes the decomposed form");
-        }
+      const auto full_bytes = static_cast<std::size_t>(batch * in_features * element);
+      if (const auto blocker = replication_blocker(device, full_bytes)) {
+        records.skip(kBroadcast, *blocker);
+        records.skip(kBroadcastCopy, *blocker);
       } else {
-        const auto full_bytes = static_cast<std::size_t>(batch * in_features * element);
-        if (const auto blocker = replication_blocker(device, full_bytes)) {
-          records.skip(kBroadcast, *blocker);
-          records.skip(kBroadcastCopy, *blocker);
-        } else {
-          const Buffer x_full(full_bytes, device);
-          const Tensor x_full_view(x_full.data(), dtype, {batch, in_features}, device);
-          const Buffer concat_workspace(baseline::linear_concat_workspace_bytes(weight_view),
-                                        device);
-          const Workspace gemm_workspace{concat_workspace.data(), concat_workspace.bytes()};
-          auto replicate = [&] {
-            baseline::replicate_linear_input(x_c_view, x_u_view, map, x_full_view, stream);
-          };
-          auto gemm = [&] {
-            baseline::linear_concat(weight_view, &bias_view, x_full_view, out_view, stream,
-                                    gemm_workspace);
-          };
-          replicate();  // "broadcast" times the GEMM alone, on a copy made beforehand
-          records.measure(kBroadcast, gemm);
-          records.measure(kBroadcastCopy, [&] {
-            replicate();
-            gemm();
-          });
-        }
+        const Buffer x_full(full_bytes, device);
+        const Tensor x_full_view(x_full.data(), dtype, {batch, in_features}, device);
+        const Buffer concat_workspace(baseline::linear_concat_workspace_bytes(weight_view),
+                                      device);
+        const Workspace gemm_workspace{concat_workspace.data(), concat_workspace.bytes()};
+        auto replicate = [&] {
+          baseline::replicate_linear_input(x_c_view, x_u_view, map, x_full_view, stream);
+        };
+        auto gemm = [&] {
+          baseline::linear_concat(weight_view, &bias_view, x_full_view, out_view, stream,
+                                  gemm_workspace);
+        };
+        replicate();  // "broadcast" times the GEMM alone, on a copy made beforehand
+        records.measure(kBroadcast, gemm);
+        records.measure(kBroadcastCopy, [&] {
+          replicate();
+          gemm();
+        });
+      }
+      if (!device.is_cuda()) {
+        records.skip(kDecomposed,
+                     "a cuBLAS baseline; on the CPU, ikbo itself computes the decomposed form");
+      } else {
         records.measure(kDecomposed, [&] {
           baseline::linear_decomposed(plan, x_c_view, x_u_view, map, out_view, stream,
                                       ikbo_workspace);

@@ -150,9 +150,9 @@ struct LceDecomposedArgs {
 };
 
 // The linear broadcast baseline's GEMM: out [B, N_out] = x_full [B, K] @
-// weight^T (+ bias), one cuBLASLt matmul with a bias epilogue, as PyTorch's
-// F.linear runs it. weight [N_out, K] rows `ld_weight` elements apart. CUDA
-// only.
+// weight^T (+ bias), as PyTorch's F.linear runs it: on a GPU one cuBLASLt
+// matmul with a bias epilogue, on the CPU one sgemm onto the bias rows.
+// weight [N_out, K] rows `ld_weight` elements apart.
 struct LinearConcatArgs {
   DType dtype = DType::f16;
   Device device{};
@@ -166,6 +166,10 @@ struct LinearConcatArgs {
   void* workspace = nullptr;  // 256-byte aligned, linear_concat_workspace_bytes()
   std::size_t workspace_bytes = 0;
 };
+
+namespace cpu {
+void linear_concat(const LinearConcatArgs& args);
+}  // namespace cpu
 
 namespace cuda {
 // Copies the weights to `device` with padded K stride (zero padding).

@@ -65,8 +65,9 @@ void replicate_linear_input(const Tensor& x_c, const Tensor& x_u, const Candidat
                             const Tensor& x_full, Stream stream = nullptr);
 
 // The GEMM over the copy: out [B, N_out] = x_full @ weight^T + bias, with
-// torch's weight [N_out, Ku + Kc] and bias [N_out] (or null) as given: one
-// cuBLASLt matmul with a bias epilogue, what F.linear runs. CUDA only.
+// torch's weight [N_out, Ku + Kc] and bias [N_out] (or null) as given, what
+// F.linear runs: on a GPU one cuBLASLt matmul with a bias epilogue, on the
+// CPU one sgemm onto the bias rows (fp32 accumulation, one rounding).
 std::size_t linear_concat_workspace_bytes(const Tensor& weight);
 void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_full,
                    const Tensor& out, Stream stream = nullptr, Workspace workspace = {});

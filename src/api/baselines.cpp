@@ -207,13 +207,12 @@ void replicate_linear_input(const Tensor& x_c, const Tensor& x_u, const Candidat
 }
 
 std::size_t linear_concat_workspace_bytes(const Tensor& weight) {
-  require_cuda(weight, "linear_concat");
-  return detail::cuda::linear_concat_workspace_bytes();
+  detail::check_cpu_index(weight.device, "weight");
+  return weight.device.is_cuda() ? detail::cuda::linear_concat_workspace_bytes() : 0;
 }
 
 void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_full,
                    const Tensor& out, Stream stream, Workspace workspace) {
-  require_cuda(weight, "linear_concat");
   detail::check_float_dtype(weight.dtype, "weight");
   detail::check_tensor(weight, "weight", weight.dtype, weight.device, 2);
   detail::check_tensor(x_full, "x_full", weight.dtype, weight.device, 2);
@@ -225,21 +224,26 @@ void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_ful
     detail::check_tensor(*bias, "bias", weight.dtype, weight.device, 1);
     detail::check_dim(*bias, "bias", 0, weight.size(0), "N_out of weight");
   }
-  detail::check_workspace(workspace, detail::cuda::linear_concat_workspace_bytes(),
+  detail::check_workspace(workspace, linear_concat_workspace_bytes(weight),
                           "linear_concat_workspace_bytes");
-  detail::cuda::linear_concat({.dtype = weight.dtype,
-                               .device = weight.device,
-                               .out_features = weight.size(0),
-                               .k = weight.size(1),
-                               .num_candidates = x_full.size(0),
-                               .weight = weight.data,
-                               .ld_weight = weight.size(1),
-                               .bias = bias != nullptr ? bias->data : nullptr,
-                               .x_full = x_full.data,
-                               .out = out.data,
-                               .stream = stream,
-                               .workspace = workspace.data,
-                               .workspace_bytes = workspace.bytes});
+  const detail::LinearConcatArgs args{.dtype = weight.dtype,
+                                      .device = weight.device,
+                                      .out_features = weight.size(0),
+                                      .k = weight.size(1),
+                                      .num_candidates = x_full.size(0),
+                                      .weight = weight.data,
+                                      .ld_weight = weight.size(1),
+                                      .bias = bias != nullptr ? bias->data : nullptr,
+                                      .x_full = x_full.data,
+                                      .out = out.data,
+                                      .stream = stream,
+                                      .workspace = workspace.data,
+                                      .workspace_bytes = workspace.bytes};
+  if (weight.device.is_cuda()) {
+    detail::cuda::linear_concat(args);
+  } else {
+    detail::cpu::linear_concat(args);
+  }
 }
 
 void linear_decomposed(const LinearPlan& plan, const Tensor& x_c, const Tensor& x_u,

@@ -155,4 +155,77 @@ void linear(const LinearArgs& args) {
   visit_storage(args.plan->dtype, [&]<typename Storage>(Storage) { run_linear<Storage>(args); });
 }
 
+namespace {
+
+// The broadcast baseline's GEMM as torch's F.linear runs it on the CPU (one
+// GEMM onto the bias): out = x_full @ weight^T + bias in fp32, in blocks of
+// rows as above, rounded once. f16/bf16 weights are converted per call.
+template <typename Storage>
+void run_linear_concat(const LinearConcatArgs& args) {
+  const std::int64_t out_features = args.out_features, k = args.k, rows = args.num_candidates;
+  const auto* weight = static_cast<const Storage*>(args.weight);
+  const auto* bias = static_cast<const Storage*>(args.bias);
+  std::unique_ptr<float[]> weight_f32, bias_f32;
+  const float* weight_rows = nullptr;
+  const float* bias_row = nullptr;
+  std::int64_t ld_weight = args.ld_weight;
+  if constexpr (std::is_same_v<Storage, float>) {
+    weight_rows = weight;
+    bias_row = bias;
+  } else {
+    weight_f32 = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(out_features * k));
+    for (std::int64_t row = 0; row < out_features; ++row) {
+      convert_to_float(weight + row * args.ld_weight, weight_f32.get() + row * k, k);
+    }
+    weight_rows = weight_f32.get();
+    ld_weight = k;
+    if (bias != nullptr) {
+      bias_f32 = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(out_features));
+      convert_to_float(bias, bias_f32.get(), out_features);
+      bias_row = bias_f32.get();
+    }
+  }
+
+  const std::int64_t block = std::min(rows, rows_per_block(k, out_features));
+  std::unique_ptr<float[]> converted, product_f32;
+  if constexpr (!std::is_same_v<Storage, float>) {
+    converted = std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(block * k));
+    product_f32 =
+        std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(block * out_features));
+  }
+  const auto* x_full = static_cast<const Storage*>(args.x_full);
+  auto* out = static_cast<Storage*>(args.out);
+  for (std::int64_t first = 0; first < rows; first += block) {
+    const std::int64_t count = std::min(block, rows - first);
+    float* product = nullptr;
+    if constexpr (std::is_same_v<Storage, float>) {
+      product = out + first * out_features;  // fp32 output: the GEMM writes it in place
+    } else {
+      product = product_f32.get();
+    }
+    if (bias_row != nullptr) {
+#pragma omp parallel for schedule(static) if (parallel_elementwise(count * out_features))
+      for (std::int64_t row = 0; row < count; ++row) {
+        std::copy_n(bias_row, out_features, product + row * out_features);
+      }
+    }
+    gemm_f32(count, out_features, k, 1.0f, rows_as_float(x_full, k, first, count, converted.get()),
+             k, weight_rows, ld_weight, Transpose::yes, bias_row != nullptr ? 1.0f : 0.0f,
+             product, out_features);
+    if constexpr (!std::is_same_v<Storage, float>) {
+#pragma omp parallel for schedule(static) if (parallel_elementwise(count * out_features))
+      for (std::int64_t row = 0; row < count; ++row) {
+        round_from_float(product + row * out_features, out + (first + row) * out_features,
+                         out_features);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void linear_concat(const LinearConcatArgs& args) {
+  visit_storage(args.dtype, [&]<typename Storage>(Storage) { run_linear_concat<Storage>(args); });
+}
+
 }  // namespace ikbo::detail::cpu
