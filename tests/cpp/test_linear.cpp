@@ -579,6 +579,42 @@ TEST_P(LinearValidation, ConcatenatedWeightNeedsBothFeatureBlocks) {
                               {"weight must have dtype float16, bfloat16 or float32, got int32"}));
 }
 
+// The broadcast baseline's GEMM (a benchmark baseline, on both devices)
+// checks its operands as the ops do, leaving out untouched.
+TEST_P(LinearValidation, BroadcastBaselineGemmChecksItsOperands) {
+  const auto& ops = operands();
+  const std::int64_t in_features = LinearOperands::ku + LinearOperands::kc;
+  const auto x_full = DeviceTensor::filled(device(), LinearOperands::dtype,
+                                           {LinearOperands::num_candidates, in_features}, 1.0);
+  const Tensor weight = ops.weight.view(), bias = ops.bias.view();
+  const DeviceBuffer workspace(device(), baseline::linear_concat_workspace_bytes(weight));
+  const Workspace scratch{workspace.data(), workspace.bytes()};
+  auto rejected = [&](const Tensor& x, const Tensor& out, const Tensor* bias_or_null,
+                      std::initializer_list<std::string_view> fragments) {
+    return throws_invalid_argument(
+        [&] { baseline::linear_concat(weight, bias_or_null, x, out, nullptr, scratch); },
+        fragments, {&ops.out.buffer()});
+  };
+  Tensor narrow = x_full.view();
+  narrow.shape[1] -= 1;
+  EXPECT_TRUE(rejected(narrow, ops.out.view(), &bias,
+                       {"x_full dimension 1 must be 18 (Ku + Kc of weight), got 17"}));
+  Tensor short_out = ops.out.view();
+  short_out.shape[0] -= 1;
+  EXPECT_TRUE(rejected(x_full.view(), short_out, &bias,
+                       {"out must have shape [6, 8] ([B, N_out]), got [5, 8]"}));
+  Tensor short_bias = bias;
+  short_bias.shape[0] -= 1;
+  EXPECT_TRUE(rejected(x_full.view(), ops.out.view(), &short_bias,
+                       {"bias dimension 0 must be 8 (N_out of weight), got 7"}));
+  Tensor float_out = ops.out.view();
+  float_out.dtype = DType::f32;
+  EXPECT_TRUE(rejected(x_full.view(), float_out, &bias, {"out must have dtype float16"}));
+  // Valid: every element 18 * 0.5 * 1 + 0.75 = 9.75, exact in fp16.
+  baseline::linear_concat(weight, &bias, x_full.view(), ops.out.view(), nullptr, scratch);
+  for (double value : ops.out.values()) ASSERT_EQ(value, 9.75);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, LinearValidation, testing::ValuesIn(test_devices()),
                          device_param_name);
 
