@@ -215,6 +215,8 @@ void linear_concat(const Tensor& weight, const Tensor* bias, const Tensor& x_ful
                    const Tensor& out, Stream stream, Workspace workspace) {
   detail::check_float_dtype(weight.dtype, "weight");
   detail::check_tensor(weight, "weight", weight.dtype, weight.device, 2);
+  detail::require(weight.size(0) >= 1 && weight.size(1) >= 1,
+                  "weight must have N_out >= 1 and K >= 1, got shape ", weight.shape_string());
   detail::check_tensor(x_full, "x_full", weight.dtype, weight.device, 2);
   detail::check_tensor(out, "out", weight.dtype, weight.device, 2);
   detail::check_dim(x_full, "x_full", 1, weight.size(1), "Ku + Kc of weight");

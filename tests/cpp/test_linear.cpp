@@ -610,6 +610,11 @@ TEST_P(LinearValidation, BroadcastBaselineGemmChecksItsOperands) {
   Tensor float_out = ops.out.view();
   float_out.dtype = DType::f32;
   EXPECT_TRUE(rejected(x_full.view(), float_out, &bias, {"out must have dtype float16"}));
+  Tensor no_columns = weight;
+  no_columns.shape[1] = 0;
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { baseline::linear_concat(no_columns, nullptr, x_full.view(), ops.out.view()); },
+      {"weight must have N_out >= 1 and K >= 1, got shape [8, 0]"}, {&ops.out.buffer()}));
   // Valid: every element 18 * 0.5 * 1 + 0.75 = 9.75, exact in fp16.
   baseline::linear_concat(weight, &bias, x_full.view(), ops.out.view(), nullptr, scratch);
   for (double value : ops.out.values()) ASSERT_EQ(value, 9.75);
