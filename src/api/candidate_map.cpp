@@ -37,6 +37,11 @@ std::shared_ptr<void> upload(std::initializer_list<const std::vector<std::int32_
   return storage;
 }
 
+void check_num_users(std::int64_t num_users) {
+  detail::require(num_users >= 1 && num_users <= detail::kMaxExtent, "num_users must be in [1, ",
+                  detail::kMaxExtent, "], got ", num_users);
+}
+
 // Checks a 1-D int32 index tensor on `device`.
 void check_index(const Tensor& tensor, std::string_view name, Device device) {
   detail::require(tensor.dtype == DType::i32, name, " must have dtype int32, got ",
@@ -67,8 +72,7 @@ CandidateMap CandidateMap::build(const std::int32_t* cand_to_user, std::int64_t 
   using detail::require;
   require(num_candidates >= 0 && num_candidates <= detail::kMaxExtent,
           "num_candidates must be in [0, ", detail::kMaxExtent, "], got ", num_candidates);
-  require(num_users >= 1 && num_users <= detail::kMaxExtent, "num_users must be in [1, ",
-          detail::kMaxExtent, "], got ", num_users);
+  check_num_users(num_users);
   require(num_candidates == 0 || cand_to_user != nullptr,
           "cand_to_user is a null pointer but num_candidates = ", num_candidates);
   detail::check_aligned(cand_to_user, alignof(std::int32_t), "cand_to_user");
@@ -133,8 +137,7 @@ CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::span<const Ten
   }
   auto values = read_int32(cand_to_user, "cand_to_user", stream);
   if (!levels.empty() && !values.empty()) {  // no candidates: no level is read
-    require(num_users >= 1 && num_users <= detail::kMaxExtent, "num_users must be in [1, ",
-            detail::kMaxExtent, "], got ", num_users);
+    check_num_users(num_users);  // before it bounds the last level
     for (std::size_t i = 0; i < levels.size(); ++i) {
       require(levels[i].size(0) > 0, level_name(i),
               " has no entries, but the candidates reach the users through it");
