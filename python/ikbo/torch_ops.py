@@ -539,12 +539,16 @@ def candidate_map(
     _check_tensors(cand_to_user=cand_to_user)
     _check_index_dtype(cand_to_user, "cand_to_user")
     levels = tuple(levels or ())
-    _check_levels(levels, cand_to_user.device)
+    for position, level in enumerate(levels):  # the cache's key reads them as tensors
+        _check_tensors(**{f"levels[{position}]": level})
     if isinstance(num_users, bool) or not isinstance(num_users, numbers.Integral):
         raise TypeError(f"num_users must be an int, got {type(num_users).__name__}")
     num_users = int(num_users)
 
     def build() -> _C.CandidateMap:
+        # Checked when a map is built, not on each reuse: the key holds what
+        # is checked (dtype, rank, device).
+        _check_levels(levels, cand_to_user.device)
         read = levels if cand_to_user.shape[0] else ()  # no candidates: no level is read
         return _C.CandidateMap(
             _as_int32(cand_to_user, "cand_to_user"),
