@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "api/state.hpp"
@@ -214,6 +215,9 @@ int device_count();  // 0 without CUDA or without a GPU
 // Ensures `device` exists; throws ikbo::Error naming `what` otherwise.
 void require(Device device, const char* what);
 std::shared_ptr<void> allocate(std::size_t bytes, Device device);
+// Throws ikbo::Error naming `what` unless `pointer` is device memory of
+// `device` (or managed memory).
+void require_memory_on(const void* pointer, Device device, std::string_view what);
 // Synchronous (stream-ordered on `stream`, then the stream is synchronized).
 void copy_to_device(void* dst, const void* src, std::size_t bytes, Device device, Stream stream);
 void copy_to_host(void* dst, const void* src, std::size_t bytes, Device device, Stream stream);

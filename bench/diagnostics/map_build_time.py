@@ -25,6 +25,7 @@ from ikbo import torch_ops as ops
 
 B, V, U = 1024, 60, 15
 RUNS = 300
+MAP_BYTES = _C.CandidateMap.device_bytes(B, U)
 
 
 def request() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,6 +62,9 @@ def main() -> None:
         "torch op map, one level": lambda r: ops.candidate_map(r[0], U),
         "torch op map, two levels": lambda r: ops.candidate_map(r[1], U, [r[2]]),
         "_C map, one level": lambda r: _C.CandidateMap(r[0], U, stream),
+        "_C map, one level, into storage from torch.empty": lambda r: _C.CandidateMap(
+            r[0], U, stream, storage=torch.empty(MAP_BYTES, dtype=torch.uint8, device="cuda")
+        ),
         "_C map, two levels from the level tensors": lambda r: _C.CandidateMap(
             r[1], U, stream, [r[2]]
         ),
@@ -82,6 +86,16 @@ def main() -> None:
         del built  # frees its device copy
         samples.append(time.perf_counter() - start)
     print(f"dropping a CUDA map: {median_us(samples)}")
+    samples = []
+    for _ in range(RUNS):
+        storage = torch.empty(MAP_BYTES, dtype=torch.uint8, device="cuda")
+        built = _C.CandidateMap(request()[0], U, stream, storage=storage)
+        del storage
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        del built  # returns its storage to torch's caching allocator
+        samples.append(time.perf_counter() - start)
+    print(f"dropping a CUDA map in storage from torch.empty: {median_us(samples)}")
 
     pattern = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "**", "libcudart.so*")
     libraries = glob.glob(pattern, recursive=True)

@@ -10,8 +10,20 @@
 //
 // B = 0, U = 1, U = B and users without candidates are all valid.
 // A CandidateMap is cheap to copy (shared, immutable state).
+//
+// Device storage: by default a CUDA map allocates its device buffer with
+// cudaMalloc and the last copy of the map frees it with cudaFree (both
+// synchronize the whole device). Every build also takes `storage`,
+// caller-owned device memory to hold it instead: from a framework's caching
+// allocator, say, which makes a build per request cheaper and keeps the
+// release stream-ordered. It must be on the map's device, 256-byte aligned
+// and at least device_bytes() bytes; the map writes it once, while
+// building, and the caller keeps it allocated and unwritten until the last
+// copy of the map is destroyed and the work that reads the map is done. A
+// map on the CPU takes no storage.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -34,11 +46,11 @@ class CandidateMap {
   // once per request, outside any captured graph).
   static CandidateMap build(const std::int32_t* cand_to_user, std::int64_t num_candidates,
                             std::int64_t num_users, Device device = Device::cpu(),
-                            Stream stream = nullptr);
+                            Stream stream = nullptr, Workspace storage = {});
   // From a 1-D int32 tensor on the CPU or a CUDA device; the device copy (if
   // any) lives on the tensor's device. A device tensor is read back once.
   static CandidateMap build(const Tensor& cand_to_user, std::int64_t num_users,
-                            Stream stream = nullptr);
+                            Stream stream = nullptr, Workspace storage = {});
   // Multi-level, from the index tensors of a request: cand_to_user maps the
   // candidates to the groups of levels[0] (its entries), levels[i] maps those
   // groups to the groups of levels[i + 1], and the last level to num_users
@@ -48,7 +60,8 @@ class CandidateMap {
   // = 9 is out of range [0, 7)"). All on cand_to_user's device. A request
   // without candidates reads no level.
   static CandidateMap build(const Tensor& cand_to_user, std::span<const Tensor> levels,
-                            std::int64_t num_users, Stream stream = nullptr);
+                            std::int64_t num_users, Stream stream = nullptr,
+                            Workspace storage = {});
   // Multi-level broadcast (user -> group -> candidate, say user -> vendor
   // -> item): the map of each candidate to its group's user,
   // cand_to_user[b] = group_to_user.cand_to_user()[to_group.cand_to_user()[b]].
@@ -57,11 +70,14 @@ class CandidateMap {
   // lives. Ops then read user tensors once per user for the candidates
   // directly, with no copy per group.
   static CandidateMap compose(const CandidateMap& to_group, const CandidateMap& group_to_user,
-                              Stream stream = nullptr);
+                              Stream stream = nullptr, Workspace storage = {});
   // Every candidate its own user: cand_to_user[b] = b (num_candidates >= 1,
   // as every map has at least one user).
   static CandidateMap identity(std::int64_t num_candidates, Device device = Device::cpu(),
-                               Stream stream = nullptr);
+                               Stream stream = nullptr, Workspace storage = {});
+  // Bytes of device storage a CUDA map of num_candidates candidates and
+  // num_users users holds (the three arrays of CandidateMapDeviceView).
+  static std::size_t device_bytes(std::int64_t num_candidates, std::int64_t num_users);
 
   std::int64_t num_candidates() const;
   std::int64_t num_users() const;
@@ -87,15 +103,18 @@ class CandidateMap {
 // Offsets [U + 1] of a jagged per-user sequence (e.g. K/V histories of
 // variable length): user u owns rows [offsets[u], offsets[u+1]). Validated
 // once (starts at 0, non-decreasing, ends at `total_rows`), with a device copy
-// for CUDA devices, like CandidateMap.
+// for CUDA devices, in its own allocation or the caller's `storage`, like
+// CandidateMap.
 class JaggedOffsets {
  public:
   static JaggedOffsets build(const std::int32_t* offsets, std::int64_t num_users,
                              std::int64_t total_rows, Device device = Device::cpu(),
-                             Stream stream = nullptr);
+                             Stream stream = nullptr, Workspace storage = {});
   // From a 1-D int32 tensor of U + 1 entries on the CPU or a CUDA device.
   static JaggedOffsets build(const Tensor& offsets, std::int64_t total_rows,
-                             Stream stream = nullptr);
+                             Stream stream = nullptr, Workspace storage = {});
+  // Bytes of device storage the CUDA offsets of num_users users hold.
+  static std::size_t device_bytes(std::int64_t num_users);
 
   std::int64_t num_users() const;
   std::int64_t total_rows() const;

@@ -152,19 +152,28 @@ ikbo::Tensor to_tensor(const Array& array, std::string_view name,
 
 ikbo::Stream to_stream(std::uintptr_t stream) { return reinterpret_cast<ikbo::Stream>(stream); }
 
-// `owner`: what names the op's device in the error (e.g. "the plan").
+// A caller's buffer (an op's workspace, a map's storage) as the library's
+// Workspace; `owner`: what names the device in the error (e.g. "the plan"),
+// `name` the argument.
 ikbo::Workspace to_workspace(const std::optional<OutputArray>& workspace, ikbo::Device device,
-                             std::string_view owner) {
+                             std::string_view owner, std::string_view name = "workspace") {
   if (!workspace) return {};
-  check_row_major(*workspace, "workspace");
-  const ikbo::Device where =
-      to_device(workspace->device_type(), workspace->device_id(), "workspace");
+  check_row_major(*workspace, name);
+  const ikbo::Device where = to_device(workspace->device_type(), workspace->device_id(), name);
   if (workspace->nbytes() != 0 && where != device) {
-    fail("workspace must be on ", ikbo::device_name(device), " like ", owner, ", got ",
+    fail(name, " must be on ", ikbo::device_name(device), " like ", owner, ", got ",
          ikbo::device_name(where));
   }
   return {workspace->data(), workspace->nbytes()};
 }
+
+// The storage argument of a map or offsets class, as its docstrings say it.
+constexpr const char* kStorageDoc =
+    "`storage`: None (the object allocates its device copy, with cudaMalloc; dropping it\n"
+    "calls cudaFree, and both synchronize the device), or a writable buffer on the same\n"
+    "CUDA device of at least device_bytes() bytes, 256-byte aligned, that holds the copy\n"
+    "instead: from torch.empty, say, which takes it from torch's caching allocator. The\n"
+    "object keeps `storage` alive; nothing else may write it while the object is used.";
 
 Int32View int32_view(std::span<const std::int32_t> values) {
   // An empty std::vector may have a null data pointer, which numpy does not
@@ -226,7 +235,7 @@ void bind_candidate_map(nb::module_& m) {
       .def(
           "__init__",
           [](ikbo::CandidateMap* self, nb::handle cand_to_user, std::int64_t num_users,
-             std::uintptr_t stream, nb::handle levels) {
+             std::uintptr_t stream, nb::handle levels, std::optional<OutputArray> storage) {
             if (!levels.is_none() && !nb::isinstance<nb::list>(levels) &&
                 !nb::isinstance<nb::tuple>(levels)) {
               const std::string given = nb::type_name(levels.type()).c_str();
@@ -243,31 +252,44 @@ void bind_candidate_map(nb::module_& m) {
               level_arrays.push_back(int32_input(levels[i], name));
               level_views.push_back(to_tensor(level_arrays.back(), name, Elements::int32));
             }
+            const ikbo::Workspace buffer =
+                to_workspace(storage, view.device, "cand_to_user", "storage");
             nb::gil_scoped_release release;
             new (self) ikbo::CandidateMap(
-                ikbo::CandidateMap::build(view, level_views, num_users, to_stream(stream)));
+                ikbo::CandidateMap::build(view, level_views, num_users, to_stream(stream), buffer));
           },
           "cand_to_user"_a.none(), "num_users"_a, "stream"_a = 0, "levels"_a.none() = nb::none(),
-          "Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
-          "or a CUDA device (the map lives where the tensor is), or from a list of ints.\n"
-          "`stream` orders the device copies, which are synchronized before returning.\n"
-          "`levels`: a request of more levels (user -> vendor -> candidate, say): cand_to_user\n"
-          "maps the candidates to the groups of levels[0] (its entries), each level its groups\n"
-          "to the next level's, the last to the num_users users; the map of each candidate to\n"
-          "its user, as compose() of each level's map gives, with every tensor read once and\n"
-          "only the result copied to the device. All on one device; an error names the level.")
+          "storage"_a.none() = nb::none(), nb::keep_alive<1, 6>(),
+          ("Builds the map from a 1-D int32 tensor of B entries in [0, num_users), on the CPU\n"
+           "or a CUDA device (the map lives where the tensor is), or from a list of ints.\n"
+           "`stream` orders the device copies, which are synchronized before returning.\n"
+           "`levels`: a request of more levels (user -> vendor -> candidate, say): cand_to_user\n"
+           "maps the candidates to the groups of levels[0] (its entries), each level its groups\n"
+           "to the next level's, the last to the num_users users; the map of each candidate\n"
+           "to its user, as compose() of each level's map gives, with every tensor read once\n"
+           "and only the result copied to the device. All on one device; an error names the\n"
+           "level.\n" +
+           std::string(kStorageDoc))
+              .c_str())
       .def_static(
           "compose",
           [](const ikbo::CandidateMap& to_group, const ikbo::CandidateMap& group_to_user,
-             std::uintptr_t stream) {
+             std::uintptr_t stream, std::optional<OutputArray> storage) {
+            const ikbo::Workspace buffer =
+                to_workspace(storage, to_group.device(), "to_group", "storage");
             nb::gil_scoped_release release;
-            return ikbo::CandidateMap::compose(to_group, group_to_user, to_stream(stream));
+            return ikbo::CandidateMap::compose(to_group, group_to_user, to_stream(stream), buffer);
           },
-          "to_group"_a, "group_to_user"_a, "stream"_a = 0,
+          "to_group"_a, "group_to_user"_a, "stream"_a = 0, "storage"_a.none() = nb::none(),
+          nb::keep_alive<0, 4>(),
           "Multi-level broadcast (user -> group -> candidate): the map of each candidate to\n"
           "its group's user, group_to_user.cand_to_user[to_group.cand_to_user]. to_group maps\n"
           "B candidates to G groups, group_to_user those G groups to U users; both on one\n"
-          "device, where the result lives.")
+          "device, where the result lives. `storage` as for the constructor.")
+      .def_static("device_bytes", &ikbo::CandidateMap::device_bytes, "num_candidates"_a,
+                  "num_users"_a,
+                  "Bytes of `storage` a CUDA map of num_candidates candidates and num_users\n"
+                  "users needs.")
       .def_prop_ro("num_candidates", &ikbo::CandidateMap::num_candidates, "B")
       .def_prop_ro("num_users", &ikbo::CandidateMap::num_users, "U")
       .def_prop_ro("is_sorted", &ikbo::CandidateMap::is_sorted, "cand_to_user is non-decreasing")
@@ -312,16 +334,23 @@ void bind_jagged_offsets(nb::module_& m) {
       .def(
           "__init__",
           [](ikbo::JaggedOffsets* self, nb::handle offsets, std::int64_t total_rows,
-             std::uintptr_t stream) {
+             std::uintptr_t stream, std::optional<OutputArray> storage) {
             const InputArray array = int32_input(offsets, "kv_offsets");
             const ikbo::Tensor view = to_tensor(array, "kv_offsets", Elements::int32);
+            const ikbo::Workspace buffer =
+                to_workspace(storage, view.device, "kv_offsets", "storage");
             nb::gil_scoped_release release;
             new (self) ikbo::JaggedOffsets(
-                ikbo::JaggedOffsets::build(view, total_rows, to_stream(stream)));
+                ikbo::JaggedOffsets::build(view, total_rows, to_stream(stream), buffer));
           },
-          "offsets"_a.none(), "total_rows"_a, "stream"_a = 0,
-          "Builds the offsets from a 1-D int32 tensor of U + 1 entries on the CPU or a CUDA\n"
-          "device (they live where the tensor is), or from a list of ints.")
+          "offsets"_a.none(), "total_rows"_a, "stream"_a = 0, "storage"_a.none() = nb::none(),
+          nb::keep_alive<1, 5>(),
+          ("Builds the offsets from a 1-D int32 tensor of U + 1 entries on the CPU or a CUDA\n"
+           "device (they live where the tensor is), or from a list of ints.\n" +
+           std::string(kStorageDoc))
+              .c_str())
+      .def_static("device_bytes", &ikbo::JaggedOffsets::device_bytes, "num_users"_a,
+                  "Bytes of `storage` CUDA offsets of num_users users need.")
       .def_prop_ro("num_users", &ikbo::JaggedOffsets::num_users, "U")
       .def_prop_ro("total_rows", &ikbo::JaggedOffsets::total_rows, "rows of the jagged tensor")
       .def_prop_ro("max_length", &ikbo::JaggedOffsets::max_length, "the longest user sequence")

@@ -12,29 +12,50 @@
 namespace ikbo {
 namespace {
 
-// Uploads `arrays` back to back into one device allocation; returns the
-// allocation and writes each array's device address to `addresses`.
+// Uploads `arrays` back to back into one device buffer, the caller's
+// `storage` (checked by check_storage) or else an allocation of its own;
+// returns what owns the buffer (nothing for the caller's) and writes each
+// array's device address to `addresses`.
 std::shared_ptr<void> upload(std::initializer_list<const std::vector<std::int32_t>*> arrays,
                              std::initializer_list<const std::int32_t**> addresses,
-                             Device device, Stream stream) {
+                             Device device, Stream stream, Workspace storage) {
   std::size_t total = 0;
   for (const auto* array : arrays) total += array->size();
   std::vector<std::int32_t> packed;
   packed.reserve(total);
   for (const auto* array : arrays) packed.insert(packed.end(), array->begin(), array->end());
-  auto storage = detail::device::allocate(std::max<std::size_t>(total, 1) * sizeof(std::int32_t),
-                                          device);
-  if (total) {
-    detail::device::copy_to_device(storage.get(), packed.data(), total * sizeof(std::int32_t),
-                                   device, stream);
+  std::shared_ptr<void> owner;
+  void* buffer = storage.data;
+  if (buffer == nullptr) {
+    owner = detail::device::allocate(total * sizeof(std::int32_t), device);
+    buffer = owner.get();
   }
-  auto* cursor = static_cast<const std::int32_t*>(storage.get());
+  detail::device::copy_to_device(buffer, packed.data(), total * sizeof(std::int32_t), device,
+                                 stream);
+  auto* cursor = static_cast<const std::int32_t*>(buffer);
   auto array = arrays.begin();
   for (const std::int32_t** address : addresses) {
     *address = cursor;
     cursor += (*array++)->size();
   }
-  return storage;
+  return owner;
+}
+
+// Checks a build's `storage`: none for a CPU map (`owner` names the object);
+// for a CUDA map none (the map allocates) or `needed` bytes of device memory
+// of `device`, 256-byte aligned; `query` names the size query.
+void check_storage(const Workspace& storage, Device device, std::size_t needed,
+                   std::string_view owner, std::string_view query) {
+  const bool given = storage.data != nullptr || storage.bytes != 0;
+  if (!device.is_cuda()) {
+    detail::require(!given, "storage must be empty for a ", owner, " on ", device_name(device),
+                    ", which has no device arrays, got ", storage.bytes, " bytes at address ",
+                    storage.data);
+    return;
+  }
+  if (!given) return;
+  detail::check_workspace(storage, needed, query, "storage");
+  detail::device::require_memory_on(storage.data, device, "storage");
 }
 
 void check_num_users(std::int64_t num_users) {
@@ -68,16 +89,16 @@ std::vector<std::int32_t> read_int32(const Tensor& tensor, std::string_view name
 }  // namespace
 
 CandidateMap CandidateMap::build(const std::int32_t* cand_to_user, std::int64_t num_candidates,
-                                 std::int64_t num_users, Device device, Stream stream) {
+                                 std::int64_t num_users, Device device, Stream stream,
+                                 Workspace storage) {
   using detail::require;
-  require(num_candidates >= 0 && num_candidates <= detail::kMaxExtent,
-          "num_candidates must be in [0, ", detail::kMaxExtent, "], got ", num_candidates);
-  check_num_users(num_users);
+  const std::size_t needed = device_bytes(num_candidates, num_users);  // checks both
   require(num_candidates == 0 || cand_to_user != nullptr,
           "cand_to_user is a null pointer but num_candidates = ", num_candidates);
   detail::check_aligned(cand_to_user, alignof(std::int32_t), "cand_to_user");
   detail::check_cpu_index(device, "the CandidateMap");
   if (device.is_cuda()) detail::device::require(device, "CandidateMap device");
+  check_storage(storage, device, needed, "CandidateMap", "CandidateMap::device_bytes");
 
   auto state = std::make_shared<State>();
   state->num_candidates = num_candidates;
@@ -111,18 +132,18 @@ CandidateMap CandidateMap::build(const std::int32_t* cand_to_user, std::int64_t 
         upload({&state->cand_to_user, &state->user_offsets, &state->candidates_by_user},
                {&state->device_view.cand_to_user, &state->device_view.user_offsets,
                 &state->device_view.candidates_by_user},
-               device, stream);
+               device, stream, storage);
   }
   return CandidateMap(std::move(state));
 }
 
 CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::int64_t num_users,
-                                 Stream stream) {
-  return build(cand_to_user, {}, num_users, stream);
+                                 Stream stream, Workspace storage) {
+  return build(cand_to_user, {}, num_users, stream, storage);
 }
 
 CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::span<const Tensor> levels,
-                                 std::int64_t num_users, Stream stream) {
+                                 std::int64_t num_users, Stream stream, Workspace storage) {
   using detail::require;
   const Device device = cand_to_user.device;
   check_index(cand_to_user, "cand_to_user", device);
@@ -162,11 +183,12 @@ CandidateMap CandidateMap::build(const Tensor& cand_to_user, std::span<const Ten
     }
   }
   return build(values.data(), static_cast<std::int64_t>(values.size()), num_users, device,
-               stream);
+               stream, storage);
 }
 
 CandidateMap CandidateMap::compose(const CandidateMap& to_group,
-                                   const CandidateMap& group_to_user, Stream stream) {
+                                   const CandidateMap& group_to_user, Stream stream,
+                                   Workspace storage) {
   detail::require(to_group.num_users() == group_to_user.num_candidates(),
                   "group_to_user must map the ", to_group.num_users(),
                   " groups of to_group (its num_candidates), got num_candidates = ",
@@ -181,16 +203,26 @@ CandidateMap CandidateMap::compose(const CandidateMap& to_group,
     values[b] = users[static_cast<std::size_t>(groups[b])];
   }
   return build(values.data(), to_group.num_candidates(), group_to_user.num_users(),
-               to_group.device(), stream);
+               to_group.device(), stream, storage);
 }
 
-CandidateMap CandidateMap::identity(std::int64_t num_candidates, Device device, Stream stream) {
+CandidateMap CandidateMap::identity(std::int64_t num_candidates, Device device, Stream stream,
+                                    Workspace storage) {
   detail::require(num_candidates >= 1 && num_candidates <= detail::kMaxExtent,
                   "num_candidates must be in [1, ", detail::kMaxExtent, "], got ",
                   num_candidates);
   std::vector<std::int32_t> values(static_cast<std::size_t>(num_candidates));
   for (std::size_t b = 0; b < values.size(); ++b) values[b] = static_cast<std::int32_t>(b);
-  return build(values.data(), num_candidates, num_candidates, device, stream);
+  return build(values.data(), num_candidates, num_candidates, device, stream, storage);
+}
+
+std::size_t CandidateMap::device_bytes(std::int64_t num_candidates, std::int64_t num_users) {
+  detail::require(num_candidates >= 0 && num_candidates <= detail::kMaxExtent,
+                  "num_candidates must be in [0, ", detail::kMaxExtent, "], got ",
+                  num_candidates);
+  check_num_users(num_users);
+  // cand_to_user [B], user_offsets [U + 1], candidates_by_user [B]
+  return static_cast<std::size_t>(2 * num_candidates + num_users + 1) * sizeof(std::int32_t);
 }
 
 std::int64_t CandidateMap::num_candidates() const { return state_->num_candidates; }
@@ -211,16 +243,17 @@ const CandidateMapDeviceView& CandidateMap::device_view() const {
 }
 
 JaggedOffsets JaggedOffsets::build(const std::int32_t* offsets, std::int64_t num_users,
-                                   std::int64_t total_rows, Device device, Stream stream) {
+                                   std::int64_t total_rows, Device device, Stream stream,
+                                   Workspace storage) {
   using detail::require;
-  require(num_users >= 1 && num_users <= detail::kMaxExtent, "kv_offsets: num_users must be in [1, ",
-          detail::kMaxExtent, "], got ", num_users);
+  const std::size_t needed = device_bytes(num_users);  // checks num_users
   require(total_rows >= 0 && total_rows <= detail::kMaxExtent,
           "kv_offsets: total_rows must be in [0, ", detail::kMaxExtent, "], got ", total_rows);
   require(offsets != nullptr, "kv_offsets is a null pointer");
   detail::check_aligned(offsets, alignof(std::int32_t), "kv_offsets");
   detail::check_cpu_index(device, "the JaggedOffsets");
   if (device.is_cuda()) detail::device::require(device, "JaggedOffsets device");
+  check_storage(storage, device, needed, "JaggedOffsets", "JaggedOffsets::device_bytes");
   require(offsets[0] == 0, "kv_offsets[0] must be 0, got ", offsets[0]);
   auto state = std::make_shared<State>();
   for (std::int64_t u = 0; u < num_users; ++u) {
@@ -235,17 +268,26 @@ JaggedOffsets JaggedOffsets::build(const std::int32_t* offsets, std::int64_t num
   state->device = device;
   state->offsets.assign(offsets, offsets + num_users + 1);
   if (device.is_cuda()) {
-    state->device_storage = upload({&state->offsets}, {&state->device_offsets}, device, stream);
+    state->device_storage =
+        upload({&state->offsets}, {&state->device_offsets}, device, stream, storage);
   }
   return JaggedOffsets(std::move(state));
 }
 
-JaggedOffsets JaggedOffsets::build(const Tensor& offsets, std::int64_t total_rows, Stream stream) {
+JaggedOffsets JaggedOffsets::build(const Tensor& offsets, std::int64_t total_rows, Stream stream,
+                                   Workspace storage) {
   auto values = read_int32(offsets, "kv_offsets", stream);
   detail::require(values.size() >= 2, "kv_offsets must have num_users + 1 >= 2 entries, got ",
                   values.size());
   return build(values.data(), static_cast<std::int64_t>(values.size()) - 1, total_rows,
-               offsets.device, stream);
+               offsets.device, stream, storage);
+}
+
+std::size_t JaggedOffsets::device_bytes(std::int64_t num_users) {
+  detail::require(num_users >= 1 && num_users <= detail::kMaxExtent,
+                  "kv_offsets: num_users must be in [1, ", detail::kMaxExtent, "], got ",
+                  num_users);
+  return static_cast<std::size_t>(num_users + 1) * sizeof(std::int32_t);
 }
 
 std::int64_t JaggedOffsets::num_users() const { return state_->num_users; }

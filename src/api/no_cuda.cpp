@@ -18,6 +18,7 @@ void require(Device device, const char* what) {
   if (device.is_cuda()) no_cuda(what);
 }
 std::shared_ptr<void> allocate(std::size_t, Device) { no_cuda("an allocation"); }
+void require_memory_on(const void*, Device, std::string_view) { no_cuda("the memory"); }
 void copy_to_device(void*, const void*, std::size_t, Device, Stream) { no_cuda("a copy"); }
 void copy_to_host(void*, const void*, std::size_t, Device, Stream) { no_cuda("a copy"); }
 void zero(void*, std::size_t, Device, Stream) { no_cuda("a buffer to zero"); }

@@ -25,7 +25,8 @@ struct CandidateMap::State {
   std::vector<std::int32_t> user_counts;         // [U]
   std::vector<std::int32_t> user_offsets;        // [U + 1]
   std::vector<std::int32_t> candidates_by_user;  // [B]
-  std::shared_ptr<void> device_storage;          // owns the arrays of device_view
+  std::shared_ptr<void> device_storage;          // owns the arrays of device_view (null
+                                                 // when they are in the caller's storage)
   CandidateMapDeviceView device_view{};
 };
 
@@ -35,7 +36,7 @@ struct JaggedOffsets::State {
   std::int64_t max_length = 0;
   Device device{};
   std::vector<std::int32_t> offsets;  // [U + 1]
-  std::shared_ptr<void> device_storage;
+  std::shared_ptr<void> device_storage;  // as CandidateMap::State's
   const std::int32_t* device_offsets = nullptr;
 };
 

@@ -138,14 +138,14 @@ void check_extent(std::int64_t value, std::string_view name, std::int64_t minimu
           kMaxExtent, "], got ", value);
 }
 
-void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query) {
+void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query,
+                     std::string_view name) {
   constexpr std::uintptr_t kWorkspaceAlignment = 256;
-  require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr),
-          "workspace must hold ", needed, " bytes (see ", query, "), got ", workspace.bytes,
+  require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr), name,
+          " must hold ", needed, " bytes (see ", query, "), got ", workspace.bytes,
           workspace.data ? " bytes" : " bytes at a null pointer");
-  require(reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment == 0,
-          "workspace must be ", kWorkspaceAlignment, "-byte aligned, got address ",
-          workspace.data);
+  require(reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment == 0, name,
+          " must be ", kWorkspaceAlignment, "-byte aligned, got address ", workspace.data);
 }
 
 void check_map(const CandidateMap& map, const Tensor& candidates, std::string_view candidates_name,

@@ -63,8 +63,9 @@ void check_float_dtype(DType dtype, std::string_view name);
 void check_extent(std::int64_t value, std::string_view name, std::int64_t minimum);
 // Checks that a caller's workspace holds `needed` bytes at an address aligned
 // for every backend's use (cuBLAS wants 256 bytes); `query` names the
-// function that tells the size.
-void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query);
+// function that tells the size, `name` the argument.
+void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view query,
+                     std::string_view name = "workspace");
 // Checks that dimension 0 of `candidates` is the map's num_candidates and
 // (when given) of `users` its num_users, and that the map lives on `device`,
 // the device of `device_owner` (e.g. "the weights").

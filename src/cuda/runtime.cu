@@ -2,6 +2,7 @@
 // discovery, allocation, synchronous host<->device copies, the device guard
 // and the per-device cuBLAS handles (see runtime.cuh).
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "api/validate.hpp"
@@ -116,6 +117,26 @@ std::shared_ptr<void> allocate(std::size_t bytes, Device device) {
     ignore(cudaFree(allocation));
     if (previous != ordinal) ignore(cudaSetDevice(previous));
   });
+}
+
+void require_memory_on(const void* pointer, Device device, std::string_view what) {
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, pointer);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // reported here, not by a later check
+    fail(what, " at address ", pointer, " could not be inspected: ", cudaGetErrorString(status));
+  }
+  switch (attributes.type) {
+    case cudaMemoryTypeManaged: return;
+    case cudaMemoryTypeDevice:
+      if (attributes.device == device.index) return;
+      fail(what, " must be memory of ", device_name(device), ", got memory of ",
+           device_name(Device::cuda(attributes.device)));
+    case cudaMemoryTypeHost:
+      fail(what, " must be memory of ", device_name(device), ", got pinned host memory");
+    default:
+      fail(what, " must be memory of ", device_name(device), ", got host memory");
+  }
 }
 
 void copy_to_device(void* dst, const void* src, std::size_t bytes, Device device, Stream stream) {

@@ -2,6 +2,11 @@
 // and random maps (on the host and in the device copy), and the validation
 // errors of building them.
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "device_harness.hpp"
@@ -395,6 +400,130 @@ TEST_P(CandidateMapOnDevice, JaggedOffsetsRejectsTooFewEntriesAndNull) {
                                       {"kv_offsets must have num_users + 1 >= 2 entries, got 1"}));
   EXPECT_TRUE(throws_invalid_argument([&] { JaggedOffsets::build(nullptr, 2, 0, device()); },
                                       {"kv_offsets is a null pointer"}));
+}
+
+TEST(CandidateMapStorage, DeviceBytesCountTheDeviceArrays) {
+  // cand_to_user and candidates_by_user [B], user_offsets [U + 1]; offsets [U + 1].
+  EXPECT_EQ(CandidateMap::device_bytes(6, 3), (6 + 6 + 4) * sizeof(std::int32_t));
+  EXPECT_EQ(CandidateMap::device_bytes(0, 1), 2 * sizeof(std::int32_t));
+  EXPECT_EQ(JaggedOffsets::device_bytes(3), 4 * sizeof(std::int32_t));
+  EXPECT_TRUE(throws_invalid_argument([] { CandidateMap::device_bytes(-1, 3); },
+                                      {"num_candidates must be in [0, ", "got -1"}));
+  EXPECT_TRUE(throws_invalid_argument([] { CandidateMap::device_bytes(6, 0); },
+                                      {"num_users must be in [1, ", "got 0"}));
+  EXPECT_TRUE(throws_invalid_argument([] { JaggedOffsets::device_bytes(0); },
+                                      {"kv_offsets: num_users must be in [1, ", "got 0"}));
+}
+
+// Every build writes its device arrays into the caller's storage when given
+// one; a CPU map refuses storage.
+TEST_P(CandidateMapOnDevice, EveryBuildWritesTheCallersStorage) {
+  const KnownMap& known = known_maps()[1];  // unsorted
+  const auto b = static_cast<std::int64_t>(known.cand_to_user.size());
+  // Two levels that compose to the known map (group 3 has no candidate).
+  const Ints to_group = {4, 1, 2, 0, 4, 4}, group_to_user = {0, 0, 1, 1, 2};
+  const auto cand_to_user = DeviceTensor::int32(device(), known.cand_to_user);
+  const auto cand_to_group = DeviceTensor::int32(device(), to_group);
+  const auto groups = DeviceTensor::int32(device(), group_to_user);
+  const std::vector<Tensor> levels = {groups.view()};
+  const auto candidates = CandidateMap::build(to_group.data(), b, 5, device());
+  const auto users = CandidateMap::build(group_to_user.data(), 5, known.num_users, device());
+  DeviceBuffer storage(device(), CandidateMap::device_bytes(b, known.num_users));
+  const Workspace given{storage.data(), storage.bytes()};
+  const std::vector<std::pair<const char*, std::function<CandidateMap()>>> builds = {
+      {"host array",
+       [&] {
+         return CandidateMap::build(known.cand_to_user.data(), b, known.num_users, device(),
+                                    nullptr, given);
+       }},
+      {"tensor", [&] { return CandidateMap::build(cand_to_user.view(), 3, nullptr, given); }},
+      {"levels",
+       [&] { return CandidateMap::build(cand_to_group.view(), levels, 3, nullptr, given); }},
+      {"compose", [&] { return CandidateMap::compose(candidates, users, nullptr, given); }},
+  };
+  for (const auto& [name, build] : builds) {
+    SCOPED_TRACE(name);
+    if (!device().is_cuda()) {
+      EXPECT_TRUE(throws_invalid_argument(
+          build, {"storage must be empty for a CandidateMap on cpu, which has no device arrays, "
+                  "got ",
+                  " bytes"}));
+      continue;
+    }
+    const CandidateMap map = build();
+    EXPECT_EQ(static_cast<const void*>(map.device_view().cand_to_user), storage.data());
+    expect_derived_arrays(map, known);
+    expect_device_copy_matches(map);
+  }
+  const Ints offsets = {0, 3, 3, 10};
+  const auto offsets_tensor = DeviceTensor::int32(device(), offsets);
+  DeviceBuffer offsets_storage(device(), JaggedOffsets::device_bytes(3));
+  const Workspace offsets_given{offsets_storage.data(), offsets_storage.bytes()};
+  for (bool from_tensor : {false, true}) {
+    SCOPED_TRACE(from_tensor ? "offsets from a tensor" : "offsets from a host array");
+    const auto build = [&] {
+      return from_tensor
+                 ? JaggedOffsets::build(offsets_tensor.view(), 10, nullptr, offsets_given)
+                 : JaggedOffsets::build(offsets.data(), 3, 10, device(), nullptr, offsets_given);
+    };
+    if (!device().is_cuda()) {
+      EXPECT_TRUE(throws_invalid_argument(
+          build, {"storage must be empty for a JaggedOffsets on cpu, which has no device arrays"}));
+      continue;
+    }
+    const JaggedOffsets jagged = build();
+    EXPECT_EQ(static_cast<const void*>(jagged.device_data()), offsets_storage.data());
+    EXPECT_EQ(read_int32(jagged.device_data(), offsets.size(), device()), offsets);
+  }
+  if (device().is_cuda()) {
+    DeviceBuffer identity_storage(device(), CandidateMap::device_bytes(4, 4));
+    const auto identity = CandidateMap::identity(
+        4, device(), nullptr, {identity_storage.data(), identity_storage.bytes()});
+    EXPECT_EQ(static_cast<const void*>(identity.device_view().cand_to_user),
+              identity_storage.data());
+    expect_device_copy_matches(identity);
+  }
+}
+
+// Storage a CUDA map cannot use is refused by name, before anything is
+// written to it.
+TEST_P(CandidateMapOnDevice, RejectsStorageItCannotUse) {
+  if (!device().is_cuda()) {
+    GTEST_SKIP() << "a CPU map takes no storage (refused in EveryBuildWritesTheCallersStorage)";
+  }
+  const Ints cand_to_user = {0, 2, 1, 1};
+  const std::size_t needed = CandidateMap::device_bytes(4, 3);
+  const std::vector<std::byte> poison(needed + 256, std::byte{0xAB});
+  DeviceBuffer storage(device(), poison);
+  const auto build = [&](Workspace given) {
+    return [&, given] { CandidateMap::build(cand_to_user.data(), 4, 3, device(), nullptr, given); };
+  };
+  EXPECT_TRUE(throws_invalid_argument(
+      build({storage.data(), needed - 4}),
+      {"storage must hold " + std::to_string(needed) +
+       " bytes (see CandidateMap::device_bytes), got " + std::to_string(needed - 4) + " bytes"},
+      {&storage}));
+  EXPECT_TRUE(throws_invalid_argument(build({nullptr, needed}),
+                                      {"storage must hold ", "bytes at a null pointer"}));
+  EXPECT_TRUE(throws_invalid_argument(build({static_cast<std::byte*>(storage.data()) + 4, needed}),
+                                      {"storage must be 256-byte aligned"}, {&storage}));
+  std::vector<std::byte> host(needed + 256);
+  const auto offset = (256 - reinterpret_cast<std::uintptr_t>(host.data()) % 256) % 256;
+  EXPECT_TRUE(throws_invalid_argument(build({host.data() + offset, needed}),
+                                      {"storage must be memory of cuda:", "got host memory"}));
+  // A map with a bad entry writes nothing to good storage.
+  const Ints bad = {0, 3, 1, 1};
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] { CandidateMap::build(bad.data(), 4, 3, device(), nullptr, {storage.data(), needed}); },
+      {"cand_to_user[1] = 3 is out of range [0, 3)"}, {&storage}));
+  const Ints offsets = {0, 5, 4};
+  EXPECT_TRUE(throws_invalid_argument(
+      [&] {
+        JaggedOffsets::build(offsets.data(), 2, 4, device(), nullptr,
+                             {storage.data(), JaggedOffsets::device_bytes(2) - 1});
+      },
+      {"storage must hold 12 bytes (see JaggedOffsets::device_bytes), got 11 bytes"},
+      {&storage}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, CandidateMapOnDevice, testing::ValuesIn(test_devices()),

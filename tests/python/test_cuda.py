@@ -2,10 +2,12 @@
 float64 references, the caller's current stream, device checks, and CUDA
 graph capture (the ops neither allocate nor synchronize)."""
 
+import gc
 import json
 import os
 import re
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -253,6 +255,68 @@ def test_candidate_maps_compose_on_cuda():
             levels=[np.array([2, 0, 2, 1], dtype=np.int32)],
         )
     assert str(error.value) == "levels[0] must be on cuda:0 like cand_to_user, got cpu"
+
+
+def test_maps_and_offsets_built_into_the_callers_storage():
+    """With storage, the device copy lives in the caller's buffer (here from
+    torch's allocator), which the object keeps alive; ops read it as they
+    read the object's own copy, and unusable storage is refused by name."""
+    generator = torch.Generator(device=DEVICE).manual_seed(46)
+    cand_to_user = torch.tensor([2, 0, 1, 0, 2, 2, 1], dtype=torch.int32, device=DEVICE)
+    offsets = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEVICE)
+    q = randn(generator, (7, 3, 2, 64), torch.float16)
+    k, v = (randn(generator, (12, 2, 64), torch.float16) for _ in range(2))
+    map_bytes = ikbo.CandidateMap.device_bytes(7, 3)
+    storage = torch.empty(map_bytes, dtype=torch.uint8, device=DEVICE)
+    kept = weakref.ref(storage)
+    built = ikbo.CandidateMap(cand_to_user, 3, storage=storage)
+    offsets_storage = torch.empty(
+        ikbo.JaggedOffsets.device_bytes(3), dtype=torch.uint8, device=DEVICE
+    )
+    jagged = ikbo.JaggedOffsets(offsets, 12, storage=offsets_storage)
+    # cand_to_user, user_offsets, candidates_by_user, back to back.
+    np.testing.assert_array_equal(
+        storage.view(torch.int32).cpu(),
+        np.concatenate([built.cand_to_user, built.user_offsets, built.candidates_by_user]),
+    )
+    assert torch.equal(offsets_storage.view(torch.int32), offsets)
+    del storage
+    gc.collect()
+    assert kept() is not None, "the map must keep its storage alive"
+    out = ikbo.attention(q, k, v, built, kv_offsets=jagged)
+    expected = ikbo.attention(
+        q, k, v, ikbo.CandidateMap(cand_to_user, 3), kv_offsets=ikbo.JaggedOffsets(offsets, 12)
+    )
+    assert torch.equal(out, expected)
+    del built
+    gc.collect()
+    assert kept() is None, "dropping the map releases its storage"
+    composed_storage = torch.empty(map_bytes, dtype=torch.uint8, device=DEVICE)
+    composed = ikbo.CandidateMap.compose(
+        ikbo.CandidateMap(cand_to_user, 3),
+        ikbo.CandidateMap(torch.tensor([1, 0, 2], dtype=torch.int32, device=DEVICE), 3),
+        storage=composed_storage,
+    )
+    np.testing.assert_array_equal(
+        composed_storage.view(torch.int32)[:7].cpu(), composed.cand_to_user
+    )
+
+    too_small = torch.empty(map_bytes - 4, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError) as error:
+        ikbo.CandidateMap(cand_to_user, 3, storage=too_small)
+    assert str(error.value) == (
+        f"storage must hold {map_bytes} bytes (see CandidateMap::device_bytes), "
+        f"got {map_bytes - 4} bytes"
+    )
+    with pytest.raises(ValueError, match=re.escape("storage must be 256-byte aligned")):
+        ikbo.CandidateMap(
+            cand_to_user,
+            3,
+            storage=torch.empty(2 * map_bytes, dtype=torch.uint8, device=DEVICE)[4:],
+        )
+    with pytest.raises(ValueError) as error:
+        ikbo.JaggedOffsets(offsets, 12, storage=np.zeros(64, dtype=np.uint8))
+    assert str(error.value) == "storage must be on cuda:0 like kv_offsets, got cpu"
 
 
 def test_runs_on_the_current_stream():

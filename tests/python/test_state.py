@@ -142,6 +142,26 @@ def test_jagged_offsets_properties_and_validation():
         ikbo.JaggedOffsets(np.array([0, 2, 5], dtype=np.int32), 9)
 
 
+def test_storage_sizes_and_a_cpu_object_refuses_storage():
+    """device_bytes() is the size of a CUDA object's device copy; a CPU map or
+    offsets object has none and refuses storage by name."""
+    assert ikbo.CandidateMap.device_bytes(6, 3) == (6 + 6 + 4) * 4
+    assert ikbo.JaggedOffsets.device_bytes(3) == 4 * 4
+    with pytest.raises(ValueError, match=re.escape("num_users must be in [1, ")):
+        ikbo.CandidateMap.device_bytes(6, 0)
+    storage = np.zeros(256, dtype=np.uint8)
+    message = "storage must be empty for a {} on cpu, which has no device arrays, got 256 bytes"
+    with pytest.raises(ValueError, match=re.escape(message.format("CandidateMap"))):
+        ikbo.CandidateMap([0, 1, 1], 2, storage=storage)
+    with pytest.raises(ValueError, match=re.escape(message.format("CandidateMap"))):
+        ikbo.CandidateMap.compose(
+            ikbo.CandidateMap([0, 1], 2), ikbo.CandidateMap([1, 0], 2), storage=storage
+        )
+    with pytest.raises(ValueError, match=re.escape(message.format("JaggedOffsets"))):
+        ikbo.JaggedOffsets([0, 1, 3], 3, storage=storage)
+    assert ikbo.CandidateMap([0, 1, 1], 2, storage=None).num_candidates == 3
+
+
 def test_state_takes_lists_of_ints_like_the_ops():
     from_list = ikbo.CandidateMap([2, 0, 2], 3)
     np.testing.assert_array_equal(from_list.cand_to_user, [2, 0, 2])

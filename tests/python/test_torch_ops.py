@@ -517,6 +517,26 @@ def test_invalidate_and_clear_cache():
 
 
 @needs_cuda
+def test_device_copies_of_maps_and_offsets_come_from_torchs_allocator():
+    """A request's map and jagged offsets keep their device copies in memory
+    from torch's caching allocator (no cudaMalloc/cudaFree per request),
+    released with the request's tensors."""
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    cand_to_user = torch.tensor([0, 2, 1, 1, 0], dtype=torch.int32, device="cuda")
+    kv_offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32, device="cuda")
+    inputs = torch.cuda.memory_allocated()
+    torch_ops.candidate_map(cand_to_user, 3)
+    mapped = torch.cuda.memory_allocated()
+    assert mapped - inputs >= ikbo.CandidateMap.device_bytes(5, 3)
+    torch_ops._jagged_offsets(kv_offsets, 9)
+    assert torch.cuda.memory_allocated() - mapped >= ikbo.JaggedOffsets.device_bytes(3)
+    del cand_to_user, kv_offsets
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before
+
+
+@needs_cuda
 def test_cuda_writes_behind_the_version_counter_need_invalidate():
     """On CUDA the version counter and the storage tell a change; a write
     through .data is seen once the tensor is invalidated."""
