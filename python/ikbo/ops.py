@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -184,6 +184,22 @@ def _allocate(like: Array, shape: tuple[int, ...], raw_bytes: bool = False) -> A
     return xp.empty(shape, dtype=xp.uint8 if raw_bytes else like.dtype, device=like.device)
 
 
+def _device_storage(index: Array, nbytes: Callable[[int], int]) -> Array | None:
+    """The `storage` of a map or offsets object built from `index` on a GPU,
+    of nbytes(elements of index) bytes, from the caching allocator of its
+    framework (torch, cupy): a build per request then costs no cudaMalloc and
+    no cudaFree, and the memory is reused in stream order like any tensor's.
+    None otherwise (the object allocates its own device copy, or has none on
+    the CPU)."""
+    if _is_torch(index) and index.is_cuda:
+        elements = index.numel()
+    elif _is_cupy(index):
+        elements = index.size
+    else:
+        return None
+    return _allocate(index, (nbytes(elements),), raw_bytes=True)
+
+
 def _candidate_map(
     cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
     num_users: int | None,
@@ -209,7 +225,15 @@ def _candidate_map(
         raise ValueError(f"num_users = {num_users} disagrees with {rows_name} = {rows} (U)")
     if rows == 0:
         raise ValueError(f"{rows_name} must be at least 1 (U, the users of the request), got 0")
-    return _C.CandidateMap(_int32_input(cand_to_user_or_map, "cand_to_user"), rows, stream)
+    return _C.CandidateMap(
+        _int32_input(cand_to_user_or_map, "cand_to_user"),
+        rows,
+        stream,
+        storage=_device_storage(
+            cand_to_user_or_map,
+            lambda elements: _C.CandidateMap.device_bytes(elements, rows),
+        ),
+    )
 
 
 def lce(
@@ -430,7 +454,14 @@ def attention(
     # Dense K/V [U, S, H, D] or jagged [total, H, D].
     num_rows = _checked_shape(k, "k", 4 if kv_offsets is None else 3)[0]
     if kv_offsets is not None and not isinstance(kv_offsets, _C.JaggedOffsets):
-        kv_offsets = _C.JaggedOffsets(_int32_input(kv_offsets, "kv_offsets"), num_rows, stream)
+        kv_offsets = _C.JaggedOffsets(
+            _int32_input(kv_offsets, "kv_offsets"),
+            num_rows,
+            stream,
+            storage=_device_storage(
+                kv_offsets, lambda elements: _C.JaggedOffsets.device_bytes(max(elements - 1, 1))
+            ),
+        )
     users, users_name = (
         (num_rows, "k dimension 0")
         if kv_offsets is None

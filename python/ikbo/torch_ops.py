@@ -99,6 +99,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C
+from .ops import _device_storage
 from .ops import attention as _attention
 from .ops import lce as _lce
 from .ops import linear as _linear
@@ -285,16 +286,6 @@ def clear_cache() -> None:
 
 def _stream(tensor: torch.Tensor) -> int:
     return torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
-
-
-def _storage(device: torch.device, nbytes: Callable[[], int]) -> torch.Tensor | None:
-    """Device storage for a map or offsets object on ``device`` (``nbytes``
-    gives its size), from torch's caching allocator: no cudaMalloc/cudaFree
-    per request, and its reuse is ordered on the current stream like any
-    tensor's. ``None`` on the CPU, where those objects have no device copy."""
-    if device.type != "cuda":
-        return None
-    return torch.empty(nbytes(), dtype=torch.uint8, device=device)
 
 
 def _as_int32(indices: torch.Tensor, name: str) -> torch.Tensor:
@@ -565,9 +556,8 @@ def candidate_map(
             num_users,
             _stream(cand_to_user),
             [_as_int32(level, f"levels[{position}]") for position, level in enumerate(read)],
-            _storage(
-                cand_to_user.device,
-                lambda: _C.CandidateMap.device_bytes(cand_to_user.shape[0], num_users),
+            _device_storage(
+                cand_to_user, lambda elements: _C.CandidateMap.device_bytes(elements, num_users)
             ),
         )
 
@@ -612,9 +602,8 @@ def _jagged_offsets(kv_offsets: torch.Tensor, total_rows: int) -> _C.JaggedOffse
             _as_int32(kv_offsets, "kv_offsets"),
             total_rows,
             _stream(kv_offsets),
-            _storage(
-                kv_offsets.device,
-                lambda: _C.JaggedOffsets.device_bytes(max(kv_offsets.shape[0] - 1, 1)),
+            _device_storage(
+                kv_offsets, lambda elements: _C.JaggedOffsets.device_bytes(max(elements - 1, 1))
             ),
         ),
     )

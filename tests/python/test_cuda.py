@@ -319,6 +319,37 @@ def test_maps_and_offsets_built_into_the_callers_storage():
     assert str(error.value) == "storage must be on cuda:0 like kv_offsets, got cpu"
 
 
+def test_ops_build_a_mapping_into_torch_memory():
+    """An op given a mapping or offsets tensor (not a prebuilt object) builds
+    it into memory from torch's caching allocator: one torch allocation more
+    per object than the same call with prebuilt objects."""
+    generator = torch.Generator(device=DEVICE).manual_seed(47)
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.float16, 9, 7, 5, 16, 6, 3, seed=47)
+    plan, built = ikbo.LcePlan(w_c, w_u), ikbo.CandidateMap(cand_to_user, 3)
+    out = torch.empty((6, 9, 16), dtype=torch.float16, device=DEVICE)
+    q = randn(generator, (6, 2, 2, 64), torch.float16)
+    k, v = (randn(generator, (10, 2, 64), torch.float16) for _ in range(2))
+    offsets = torch.tensor([0, 4, 4, 10], dtype=torch.int32, device=DEVICE)
+    jagged = ikbo.JaggedOffsets(offsets, 10)
+    attention_out = torch.empty_like(q)
+
+    def allocations(call) -> int:
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        call()
+        return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+    prebuilt = allocations(lambda: ikbo.lce(plan, None, e_c, e_u, built, out=out))
+    assert allocations(lambda: ikbo.lce(plan, None, e_c, e_u, cand_to_user, out=out)) == (
+        prebuilt + 1
+    )
+    prebuilt = allocations(
+        lambda: ikbo.attention(q, k, v, built, kv_offsets=jagged, out=attention_out)
+    )
+    assert allocations(
+        lambda: ikbo.attention(q, k, v, cand_to_user, kv_offsets=offsets, out=attention_out)
+    ) == (prebuilt + 2)
+
+
 def test_runs_on_the_current_stream():
     """ikbo launches on torch's current stream: queued on a side stream behind
     a GPU sleep, the output is still unwritten when the default stream reads
