@@ -62,8 +62,8 @@ std::int64_t tile_rows_for(std::int64_t seq_len) {
 // x < -126.5 gives 0 (such a weight is below fp32 resolution next to the row
 // maximum's weight of 1). The float select below vectorizes only because
 // the CPU backend is built with -fno-trapping-math (CMakeLists.txt): under
-// GCC's default it stays a branch and the loop runs scalar (session 46:
-// the CPU attention bench 22% slower).
+// GCC's default it stays a branch and the loop runs scalar (the CPU
+// attention bench 15-22% slower, bench/results/2026-11-29-cpu-s46.md).
 inline float exp2_nonpositive(float x) {
   // A score of -inf (a key of -inf against a positive query) must get weight
   // 0, but -inf - round(-inf) is NaN. Raising x to -127, where the result is
