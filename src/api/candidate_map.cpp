@@ -58,9 +58,10 @@ void check_storage(const Workspace& storage, Device device, std::size_t needed,
   detail::device::require_memory_on(storage.data, device, "storage");
 }
 
-void check_num_users(std::int64_t num_users) {
-  detail::require(num_users >= 1 && num_users <= detail::kMaxExtent, "num_users must be in [1, ",
-                  detail::kMaxExtent, "], got ", num_users);
+// `prefix` names the object in the message ("kv_offsets: ").
+void check_num_users(std::int64_t num_users, std::string_view prefix = {}) {
+  detail::require(num_users >= 1 && num_users <= detail::kMaxExtent, prefix,
+                  "num_users must be in [1, ", detail::kMaxExtent, "], got ", num_users);
 }
 
 // Checks a 1-D int32 index tensor on `device`.
@@ -284,9 +285,7 @@ JaggedOffsets JaggedOffsets::build(const Tensor& offsets, std::int64_t total_row
 }
 
 std::size_t JaggedOffsets::device_bytes(std::int64_t num_users) {
-  detail::require(num_users >= 1 && num_users <= detail::kMaxExtent,
-                  "kv_offsets: num_users must be in [1, ", detail::kMaxExtent, "], got ",
-                  num_users);
+  check_num_users(num_users, "kv_offsets: ");
   return static_cast<std::size_t>(num_users + 1) * sizeof(std::int32_t);
 }
 
