@@ -99,7 +99,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C
-from .ops import _device_storage
+from .ops import _current_stream, _device_storage, _dlpack
 from .ops import attention as _attention
 from .ops import lce as _lce
 from .ops import linear as _linear
@@ -151,6 +151,8 @@ def _compared_by_contents(tensor: torch.Tensor, kind: str) -> bool:
 
 
 def _same_bits(snapshot: torch.Tensor, tensor: torch.Tensor) -> bool:
+    if not tensor.is_floating_point():  # equal integers are equal bits (an index tensor)
+        return torch.equal(snapshot, tensor)
     bits = _BITS[tensor.element_size()]
     return torch.equal(snapshot.view(bits), tensor.detach().view(bits))
 
@@ -221,11 +223,9 @@ class _DerivedStateCache:
     ) -> Any:
         """The ``kind`` object derived from ``sources`` with ``parameters``:
         cached, or made by ``build``."""
-        key = (kind, *parameters, *(_view_key(tensor) for tensor in sources))
+        key = (kind, *parameters, *map(_view_key, sources))
         entry = self._entries.get(key)
-        if entry is not None and all(
-            source.matches(tensor) for source, tensor in zip(entry[0], sources)
-        ):
+        if entry is not None and all(map(_Source.matches, entry[0], sources)):
             return entry[1]
         if any(tensor.is_cuda for tensor in sources) and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -284,10 +284,6 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _stream(tensor: torch.Tensor) -> int:
-    return torch.cuda.current_stream(tensor.device).cuda_stream if tensor.is_cuda else 0
-
-
 def _as_int32(indices: torch.Tensor, name: str) -> torch.Tensor:
     if indices.dtype == torch.int64:
         if indices.device.type == "cpu":
@@ -302,7 +298,7 @@ def _as_int32(indices: torch.Tensor, name: str) -> torch.Tensor:
                     "the library takes"
                 )
         indices = indices.clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)
-    return indices.detach().contiguous()
+    return indices.detach().resolve_neg().contiguous()  # DLPack carries no negation bit
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -552,10 +548,10 @@ def candidate_map(
         _check_levels(levels, cand_to_user.device)
         read = levels if cand_to_user.shape[0] else ()  # no candidates: no level is read
         return _C.CandidateMap(
-            _as_int32(cand_to_user, "cand_to_user"),
+            _dlpack(_as_int32(cand_to_user, "cand_to_user")),
             num_users,
-            _stream(cand_to_user),
-            [_as_int32(level, f"levels[{position}]") for position, level in enumerate(read)],
+            _current_stream(cand_to_user),
+            [_dlpack(_as_int32(level, f"levels[{i}]")) for i, level in enumerate(read)],
             _device_storage(
                 cand_to_user, lambda elements: _C.CandidateMap.device_bytes(elements, num_users)
             ),
@@ -599,9 +595,9 @@ def _jagged_offsets(kv_offsets: torch.Tensor, total_rows: int) -> _C.JaggedOffse
         (kv_offsets,),
         (total_rows,),
         lambda: _C.JaggedOffsets(
-            _as_int32(kv_offsets, "kv_offsets"),
+            _dlpack(_as_int32(kv_offsets, "kv_offsets")),
             total_rows,
-            _stream(kv_offsets),
+            _current_stream(kv_offsets),
             _device_storage(
                 kv_offsets, lambda elements: _C.JaggedOffsets.device_bytes(max(elements - 1, 1))
             ),
@@ -615,7 +611,9 @@ def _lce_plan(w_c: torch.Tensor, w_u: torch.Tensor, check: Callable[[], None]) -
 
     def build() -> _C.LcePlan:
         check()
-        return _C.LcePlan(w_c.detach().contiguous(), w_u.detach().contiguous(), _stream(w_c))
+        return _C.LcePlan(
+            w_c.detach().contiguous(), w_u.detach().contiguous(), _current_stream(w_c)
+        )
 
     return _CACHE.get("LcePlan", (w_c, w_u), (), build)
 
@@ -631,7 +629,7 @@ def _linear_plan(
             w_u.detach().contiguous(),
             w_c.detach().contiguous(),
             None if bias is None else bias.detach().contiguous(),
-            _stream(w_c),
+            _current_stream(w_c),
         )
 
     weights = (w_c, w_u) if bias is None else (w_c, w_u, bias)

@@ -369,6 +369,20 @@ def test_runs_on_the_current_stream():
     assert_close_cuda(out, expected, "float16")
 
 
+def test_the_stream_handed_to_the_library_is_torchs_current_one():
+    """ikbo.ops reads torch's current stream through its raw handle: the same
+    cudaStream_t as torch.cuda.current_stream() on the default stream and
+    inside a stream context."""
+    from ikbo.ops import _current_stream
+
+    tensor = torch.zeros(1, device=DEVICE)
+    assert _current_stream(tensor) == torch.cuda.current_stream(DEVICE).cuda_stream
+    side_stream = torch.cuda.Stream()
+    with torch.cuda.stream(side_stream):
+        assert _current_stream(tensor) == side_stream.cuda_stream != 0
+    assert _current_stream(tensor.cpu()) == 0
+
+
 def test_device_mismatches_leave_out_untouched():
     w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.float16, 8, 5, 6, 3, 4, 2, seed=6)
     out = torch.full((4, 8, 3), 7.0, dtype=torch.float16, device=DEVICE)

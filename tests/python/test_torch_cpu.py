@@ -105,3 +105,44 @@ def test_torch_and_numpy_results_agree():
     from_numpy = ikbo.attention(q, k, v, cand_to_user)
     from_torch = ikbo.attention(*(torch.from_numpy(a) for a in (q, k, v, cand_to_user)))
     np.testing.assert_array_equal(from_torch.numpy(), from_numpy)
+
+
+def test_sparse_tensors_are_refused_by_name():
+    w = torch.ones(4, 3)
+    e_c, e_u = torch.ones(2, 3, 5), torch.ones(1, 3, 5)
+    cand_to_user = torch.zeros(2, dtype=torch.int32)
+    for arguments, name in [
+        ((w, w, e_c.to_sparse(), e_u, cand_to_user), "e_c"),
+        ((w, w, e_c, e_u, cand_to_user.to_sparse()), "cand_to_user"),
+    ]:
+        with pytest.raises(
+            ValueError, match=f"^{name} must be a dense \\(strided\\) tensor, got layout"
+        ):
+            ikbo.lce(*arguments)
+    out = torch.zeros(2, 4, 5).to_sparse()
+    with pytest.raises(ValueError, match=r"^out must be a dense \(strided\) tensor"):
+        ikbo.lce(w, w, e_c, e_u, cand_to_user, out=out)
+    assert out._nnz() == 0
+
+
+def test_torch_tensors_reach_the_library_as_dlpack_capsules(monkeypatch):
+    """Every tensor of an op crosses through torch.utils.dlpack.to_dlpack (C),
+    not Tensor.__dlpack__ (Python, ~1.5 µs a tensor): the per-op overhead."""
+    exported = []
+    to_dlpack = torch.utils.dlpack.to_dlpack
+
+    def counting_to_dlpack(tensor):
+        exported.append(tensor)
+        return to_dlpack(tensor)
+
+    monkeypatch.setattr(torch.utils.dlpack, "to_dlpack", counting_to_dlpack)
+    generator = torch.Generator().manual_seed(5)
+    q = randn(generator, (3, 4, 1, 64), torch.float32)
+    k = randn(generator, (2, 9, 1, 64), torch.float32)
+    v = randn(generator, (2, 9, 1, 64), torch.float32)
+    cand_to_user = torch.tensor([1, 0, 1], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    ikbo.attention(q, k, v, cand_to_user, out=out)
+    for tensor in (q, k, v, cand_to_user, out):
+        assert any(seen is tensor for seen in exported)
+    assert_close(out, attention_reference(q, k, v, cand_to_user), "float32")

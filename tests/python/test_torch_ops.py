@@ -70,6 +70,17 @@ def test_lce_takes_int64_mappings_and_strided_inputs():
     assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), "float32")
 
 
+def test_a_negated_view_of_the_mapping_reads_as_its_values():
+    """DLPack carries no negation bit: a torch negative view must reach the
+    library as the values it stands for, not as the memory under it."""
+    w_c, w_u, e_c, e_u, cand_to_user = lce_inputs(torch.Generator().manual_seed(2))
+    negated = torch._neg_view(-cand_to_user)
+    assert negated.is_neg() and torch.equal(negated, cand_to_user)
+    out = torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, negated)
+    assert_close(out, lce_reference(w_c, w_u, e_c, e_u, cand_to_user), "float32")
+    assert list(torch_ops.candidate_map(negated, 3).cand_to_user) == cand_to_user.tolist()
+
+
 @pytest.mark.parametrize("dtype_name", TORCH_DTYPES)
 def test_attention_dense_and_jagged(dtype_name):
     dtype = TORCH_DTYPES[dtype_name]

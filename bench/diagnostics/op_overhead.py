@@ -1,0 +1,104 @@
+"""Host time per op call at tiny shapes, where the work itself is negligible:
+what each layer (the bindings, ``ikbo.lce`` & co., the torch ops) adds, and
+what its pieces cost. A diagnostic (host clocks, no L2 flush), not a
+benchmark.
+
+    PYTHONPATH=<dir with the ikbo package> python3 bench/diagnostics/op_overhead.py
+
+Runs on the CPU, and on the GPU when torch sees one. Each case: 2000 calls in
+a row (on the GPU, then one synchronize: at these shapes the host, not the
+GPU, sets the pace), timed 7 times; the least per-call time is printed.
+"""
+
+import time
+
+import torch
+
+import ikbo
+from ikbo import _C
+from ikbo import torch_ops as ops
+
+CALLS, REPEATS = 2000, 7
+
+
+def per_call_us(case, device: torch.device) -> float:
+    for _ in range(200):
+        case()
+    best = float("inf")
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            case()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - start) / CALLS)
+    return best * 1e6
+
+
+def cases(device: torch.device) -> dict:
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator).half().to(device)
+
+    m, kc, ku, n, b, u = 16, 16, 16, 8, 8, 2
+    w_c, w_u, e_c, e_u = randn(m, kc), randn(m, ku), randn(b, kc, n), randn(u, ku, n)
+    weight, x_c, x_u = randn(m, ku + kc), randn(b, kc), randn(u, ku)
+    q, k, v = randn(b, 4, 1, 64), randn(u, 16, 1, 64), randn(u, 16, 1, 64)
+    cand_to_user = torch.tensor([0, 0, 1, 1, 0, 1, 1, 0], dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    plan = _C.LcePlan(w_c, w_u, stream)
+    mapping = _C.CandidateMap(cand_to_user, u, stream)
+    out = torch.empty(b, m, n, dtype=torch.float16, device=device)
+    capsule = torch.utils.dlpack.to_dlpack
+    # On the GPU the op takes a workspace (its cuBLAS path's scratch among it).
+    workspace_bytes = _C.lce_workspace_bytes(plan, e_c, e_u, mapping)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+    return {
+        "_C.lce, tensors as DLPack capsules": lambda: _C.lce(
+            plan, capsule(e_c), capsule(e_u), mapping, capsule(out), stream, capsule(workspace)
+        ),
+        "_C.lce, torch tensors (Tensor.__dlpack__)": lambda: _C.lce(
+            plan, e_c, e_u, mapping, out, stream, workspace
+        ),
+        "ikbo.lce(plan, map)": lambda: ikbo.lce(plan, None, e_c, e_u, mapping),
+        "torch.ops.ikbo.lce": lambda: torch.ops.ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user),
+        "torch.ops.ikbo.linear": lambda: torch.ops.ikbo.linear(
+            weight[:, ku:], weight[:, :ku], x_c, x_u, cand_to_user
+        ),
+        "torch.ops.ikbo.attention": lambda: torch.ops.ikbo.attention(q, k, v, cand_to_user),
+        "torch_ops.candidate_map, cached": lambda: ops.candidate_map(cand_to_user, u),
+        "torch.empty of the lce output": lambda: torch.empty(
+            b, m, n, dtype=torch.float16, device=device
+        ),
+        "torch.cuda.current_stream(device).cuda_stream": (
+            (lambda: torch.cuda.current_stream(device).cuda_stream)
+            if device.type == "cuda"
+            else None
+        ),
+        "torch._C._cuda_getCurrentRawStream(index)": (
+            (lambda: torch._C._cuda_getCurrentRawStream(device.index or 0))
+            if device.type == "cuda"
+            else None
+        ),
+        "Tensor.__dlpack__()": lambda: e_c.__dlpack__(),
+        "torch.utils.dlpack.to_dlpack": lambda: capsule(e_c),
+        "torch.mm of the weights (a torch op, for scale)": lambda: torch.mm(w_c, w_u.T),
+    }
+
+
+def main() -> None:
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    for device in devices:
+        print(f"--- {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'host'})")
+        for name, case in cases(device).items():
+            if case is not None:
+                print(f"{name}: {per_call_us(case, device):.2f} us")
+
+
+if __name__ == "__main__":
+    main()
