@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <span>
@@ -601,9 +602,21 @@ void bind_attention(nb::module_& m) {
       "with out untouched, on any invalid argument.");
 }
 
+// nanobind lists the ikbo objects still alive when the extension is torn
+// down at exit. A user's module-level plan or map often is, by no fault of
+// theirs: torch.compile's guards and torch custom ops keep __main__'s globals
+// past that point. A "leak" report only ikbo's developers can act on would
+// alarm everyone else, so it is printed only with IKBO_LEAK_WARNINGS set to
+// anything but "" or "0" (the leak test of the torch layer sets it).
+bool leak_warnings_requested() {
+  const char* value = std::getenv("IKBO_LEAK_WARNINGS");
+  return value != nullptr && !std::string_view(value).empty() && std::string_view(value) != "0";
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
+  nb::set_leak_warnings(leak_warnings_requested());
   m.doc() =
       "ikbo._C: in-kernel broadcast ops for recommendation inference (nanobind bindings).\n"
       "Use the friendlier wrappers in the `ikbo` package.";

@@ -4,6 +4,7 @@ per-request candidate map cache, torch.compile / torch.export tracing, and on
 a GPU, CUDA graph capture."""
 
 import gc
+import os
 import re
 import subprocess
 import sys
@@ -819,9 +820,69 @@ def test_nothing_is_reported_leaked_at_exit():
             print(error)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], check=False, capture_output=True, text=True
-    )
+    result = run_with_leak_warnings(script, "1")
     assert result.returncode == 0, result.stderr
     assert "no autograd formula was registered" in result.stdout
     assert "leaked" not in result.stderr, result.stderr
+
+
+def run_with_leak_warnings(script, setting):
+    """Runs `script` in a new interpreter with IKBO_LEAK_WARNINGS = `setting`
+    (None: unset), which turns on nanobind's report of ikbo objects alive at
+    exit."""
+    environment = {key: value for key, value in os.environ.items() if key != "IKBO_LEAK_WARNINGS"}
+    if setting is not None:
+        environment["IKBO_LEAK_WARNINGS"] = setting
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=environment,
+    )
+
+
+def test_a_users_module_level_objects_are_not_reported_at_exit():
+    """torch.compile's guards (in torch 2.11) keep __main__'s globals past the
+    extension's teardown, so a script's module-level plan and map are alive
+    then, by no fault of the script's: nanobind's leak report stays off."""
+    script = textwrap.dedent(
+        """
+        import torch, ikbo.torch_ops
+        plan = ikbo.LcePlan(torch.randn(4, 3), torch.randn(4, 2))
+        index = torch.tensor([0, 1, 1], dtype=torch.int32)
+        mapping = ikbo.torch_ops.candidate_map(index, 2)
+
+        @torch.compile(backend="eager")
+        def forward(e_c):
+            return torch.ops.ikbo.lce(
+                torch.ones(4, 3), torch.ones(4, 2), e_c, torch.ones(2, 2, 5), index
+            )
+
+        print(forward(torch.ones(3, 3, 5)).shape)
+        """
+    )
+    for setting in (None, "0"):
+        result = run_with_leak_warnings(script, setting)
+        assert result.returncode == 0, result.stderr
+        assert "torch.Size([3, 4, 5])" in result.stdout
+        assert "leaked" not in result.stderr, result.stderr
+
+
+def test_ikbo_leak_warnings_turns_the_report_on():
+    """A plan whose reference count is raised by hand is alive at exit on any
+    torch: nanobind names it only under IKBO_LEAK_WARNINGS=1."""
+    script = textwrap.dedent(
+        """
+        import ctypes
+        import numpy as np
+        import ikbo
+        plan = ikbo.LcePlan(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(plan))
+        """
+    )
+    quiet = run_with_leak_warnings(script, None)
+    assert quiet.returncode == 0 and "leaked" not in quiet.stderr, quiet.stderr
+    reported = run_with_leak_warnings(script, "1")
+    assert reported.returncode == 0, reported.stderr
+    assert "leaked instance" in reported.stderr and "ikbo._C.LcePlan" in reported.stderr
