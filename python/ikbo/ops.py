@@ -87,12 +87,13 @@ def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
 
 
 def _dlpack(array: Array | None) -> Array | None:
-    """What to hand the bindings for `array`, which `_exportable` passed: a
-    torch tensor's DLPack capsule from ``torch.utils.dlpack.to_dlpack``, which
-    is C (nanobind would call ``Tensor.__dlpack__``, ~1.5 µs of Python per
+    """What to hand the bindings for `array` (one `_exportable` passed, or an
+    index tensor the torch layer made dense and resolved): a torch tensor as
+    the DLPack capsule of ``torch.utils.dlpack.to_dlpack``, made in C
+    (nanobind would call ``Tensor.__dlpack__``, ~1.5 µs of Python per
     tensor, and an op hands over up to seven); anything else as it is.
     Never for `storage`, which the object built keeps alive: a consumed
-    capsule would not keep its memory."""
+    capsule does not keep its memory."""
     if _is_torch(array):
         return sys.modules["torch"].utils.dlpack.to_dlpack(array)
     return array
