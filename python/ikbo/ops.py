@@ -93,9 +93,12 @@ def _dlpack(array: Array | None) -> Array | None:
     (nanobind would call ``Tensor.__dlpack__``, ~1.5 µs of Python per
     tensor, and an op hands over up to seven); anything else as it is.
     Never for `storage`, which the object built keeps alive: a consumed
-    capsule does not keep its memory."""
+    capsule does not keep its memory. A torch without that legacy call gets
+    its tensor as it is."""
     if _is_torch(array):
-        return sys.modules["torch"].utils.dlpack.to_dlpack(array)
+        to_dlpack = getattr(sys.modules["torch"].utils.dlpack, "to_dlpack", None)
+        if to_dlpack is not None:
+            return to_dlpack(array)
     return array
 
 
