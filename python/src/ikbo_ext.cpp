@@ -607,7 +607,7 @@ void bind_attention(nb::module_& m) {
 // theirs: torch.compile's guards and torch custom ops keep __main__'s globals
 // past that point. A "leak" report only ikbo's developers can act on would
 // alarm everyone else, so it is printed only with IKBO_LEAK_WARNINGS set to
-// anything but "" or "0" (the leak test of the torch layer sets it).
+// anything but "" or "0" (the leak tests of the torch layer set it).
 bool leak_warnings_requested() {
   const char* value = std::getenv("IKBO_LEAK_WARNINGS");
   return value != nullptr && !std::string_view(value).empty() && std::string_view(value) != "0";
