@@ -77,8 +77,14 @@ def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
     if _is_torch(tensor):
         if tensor.is_meta:
             raise ValueError(f"{name} is a meta tensor, which holds no values")
-        if tensor.layout != sys.modules["torch"].strided:
-            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
+        if tensor.is_nested or tensor.layout != sys.modules["torch"].strided:
+            got = "a nested tensor" if tensor.is_nested else f"layout {tensor.layout}"
+            raise ValueError(f"{name} must be a dense (strided) tensor, got {got}")
+        if tensor.is_quantized:
+            raise ValueError(
+                f"{name} is a quantized tensor (dtype {str(tensor.dtype).replace('torch.', '')}), "
+                f"which ikbo does not take: {name} must be {takes}"
+            )
         if tensor.requires_grad:
             tensor = tensor.detach()
         if tensor.is_neg():

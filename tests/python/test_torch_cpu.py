@@ -107,17 +107,34 @@ def test_torch_and_numpy_results_agree():
     np.testing.assert_array_equal(from_torch.numpy(), from_numpy)
 
 
-def test_sparse_tensors_are_refused_by_name():
+def test_sparse_nested_and_quantized_tensors_are_refused_by_name():
     w = torch.ones(4, 3)
     e_c, e_u = torch.ones(2, 3, 5), torch.ones(1, 3, 5)
     cand_to_user = torch.zeros(2, dtype=torch.int32)
-    for arguments, name in [
-        ((w, w, e_c.to_sparse(), e_u, cand_to_user), "e_c"),
-        ((w, w, e_c, e_u, cand_to_user.to_sparse()), "cand_to_user"),
+    nested = torch.nested.as_nested_tensor([torch.ones(3, 5), torch.ones(3, 5)])
+    quantized = torch.quantize_per_tensor(e_c, 0.1, 0, torch.quint8)
+    for arguments, message in [
+        (
+            (w, w, e_c.to_sparse(), e_u, cand_to_user),
+            "e_c must be a dense (strided) tensor, got layout",
+        ),
+        (
+            (w, w, e_c, e_u, cand_to_user.to_sparse()),
+            "cand_to_user must be a dense (strided) tensor",
+        ),
+        (
+            (w, w, nested, e_u, cand_to_user),
+            "e_c must be a dense (strided) tensor, got a nested tensor",
+        ),
+        (
+            (w, w, quantized, e_u, cand_to_user),
+            (
+                "e_c is a quantized tensor (dtype quint8), which ikbo does not take: e_c must be "
+                "float16, bfloat16 or float32"
+            ),
+        ),
     ]:
-        with pytest.raises(
-            ValueError, match=f"^{name} must be a dense \\(strided\\) tensor, got layout"
-        ):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
             ikbo.lce(*arguments)
     out = torch.zeros(2, 4, 5).to_sparse()
     with pytest.raises(ValueError, match=r"^out must be a dense \(strided\) tensor"):
