@@ -46,10 +46,10 @@ _FLOATS = "float16, bfloat16 or float32"
 
 
 def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
-    """The object to hand to the bindings as argument `name`, which takes the
-    dtypes `takes`: torch refuses to export tensors that require grad through
-    DLPack, and these inference ops have no backward; a torch negative view
-    (its values negated by a flag DLPack does not carry) is resolved."""
+    """`tensor`, checked as argument `name`, which takes the dtypes `takes`:
+    torch refuses to export tensors that require grad through DLPack, and
+    these inference ops have no backward. Hand it to the bindings through
+    `_dlpack`."""
     if not isinstance(tensor, np.ndarray) and not hasattr(tensor, "__dlpack__"):
         raise TypeError(
             f"{name} must be an array (numpy, or a DLPack tensor: torch, cupy, ...), "
@@ -87,21 +87,20 @@ def _exportable(tensor: Array, name: str, takes: str = _FLOATS) -> Array:
             )
         if tensor.requires_grad:
             tensor = tensor.detach()
-        if tensor.is_neg():
-            tensor = tensor.resolve_neg()
     return tensor
 
 
 def _dlpack(array: Array | None) -> Array | None:
-    """What to hand the bindings for `array` (one `_exportable` passed, or an
-    index tensor the torch layer made dense and resolved): a torch tensor as
-    the DLPack capsule of ``torch.utils.dlpack.to_dlpack``, made in C
-    (nanobind would call ``Tensor.__dlpack__``, ~1.5 µs of Python per
-    tensor, and an op hands over up to seven); anything else as it is.
-    Never for `storage`, which the object built keeps alive: a consumed
-    capsule does not keep its memory. A torch without that legacy call gets
-    its tensor as it is."""
+    """What to hand the bindings for `array` (one `_exportable` passed, or a
+    dense tensor of the torch layer's own): a torch tensor as the DLPack
+    capsule of ``torch.utils.dlpack.to_dlpack``, made in C (nanobind would
+    call ``Tensor.__dlpack__``, ~1.5 µs of Python per tensor, and an op hands
+    over up to seven), a negative view resolved first (DLPack carries no
+    negation flag); anything else as it is. Never for `storage`, which the
+    object built keeps alive: a consumed capsule does not keep its memory. A
+    torch without that legacy call gets its (resolved) tensor as it is."""
     if _is_torch(array):
+        array = array.resolve_neg()
         to_dlpack = getattr(sys.modules["torch"].utils.dlpack, "to_dlpack", None)
         if to_dlpack is not None:
             return to_dlpack(array)
@@ -233,6 +232,21 @@ def _device_storage(index: Array, nbytes: Callable[[int], int]) -> Array | None:
     return _allocate(index, (nbytes(elements),), raw_bytes=True)
 
 
+def _map_storage(cand_to_user: Array, num_users: int) -> Array | None:
+    """`_device_storage` for the CandidateMap of `cand_to_user` and `num_users` users."""
+    return _device_storage(
+        cand_to_user, lambda elements: _C.CandidateMap.device_bytes(elements, num_users)
+    )
+
+
+def _offsets_storage(kv_offsets: Array) -> Array | None:
+    """`_device_storage` for the JaggedOffsets of `kv_offsets` (U + 1 entries;
+    fewer are the library's to report, which the size for one user leaves it)."""
+    return _device_storage(
+        kv_offsets, lambda elements: _C.JaggedOffsets.device_bytes(max(elements - 1, 1))
+    )
+
+
 def _candidate_map(
     cand_to_user_or_map: _C.CandidateMap | Array | Sequence[int],
     num_users: int | None,
@@ -262,10 +276,7 @@ def _candidate_map(
         _int32_input(cand_to_user_or_map, "cand_to_user"),
         rows,
         stream,
-        storage=_device_storage(
-            cand_to_user_or_map,
-            lambda elements: _C.CandidateMap.device_bytes(elements, rows),
-        ),
+        storage=_map_storage(cand_to_user_or_map, rows),
     )
 
 
@@ -321,7 +332,9 @@ def lce(
             "w_u is required when w_c_or_plan is the weight w_c rather than an LcePlan"
         )
     else:
-        plan = _C.LcePlan(_exportable(w_c_or_plan, "w_c"), _exportable(w_u, "w_u"), stream)
+        plan = _C.LcePlan(
+            _dlpack(_exportable(w_c_or_plan, "w_c")), _dlpack(_exportable(w_u, "w_u")), stream
+        )
     num_rows = _checked_shape(e_u, "e_u", 3)[0]
     candidate_map = _candidate_map(
         cand_to_user_or_map, num_users, num_rows, "e_u dimension 0", stream
@@ -410,9 +423,9 @@ def linear(
         if num_user_features is None:
             num_user_features = _user_feature_count(weight, x_c, x_u_shape)
         plan = _C.LinearPlan.from_concatenated(
-            weight,
+            _dlpack(weight),
             num_user_features,
-            None if bias is None else _exportable(bias, "bias"),
+            _dlpack(None if bias is None else _exportable(bias, "bias")),
             stream,
         )
         if num_user_features != x_u_shape[1]:  # x_c would be named otherwise
@@ -507,9 +520,7 @@ def attention(
             _int32_input(kv_offsets, "kv_offsets"),
             num_rows,
             stream,
-            storage=_device_storage(
-                kv_offsets, lambda elements: _C.JaggedOffsets.device_bytes(max(elements - 1, 1))
-            ),
+            storage=_offsets_storage(kv_offsets),
         )
     users, users_name = (
         (num_rows, "k dimension 0")

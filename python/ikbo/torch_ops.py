@@ -99,7 +99,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _C
-from .ops import _current_stream, _device_storage, _dlpack
+from .ops import _current_stream, _dlpack, _map_storage, _offsets_storage
 from .ops import attention as _attention
 from .ops import lce as _lce
 from .ops import linear as _linear
@@ -298,7 +298,7 @@ def _as_int32(indices: torch.Tensor, name: str) -> torch.Tensor:
                     "the library takes"
                 )
         indices = indices.clamp(_INT32_MIN, _INT32_MAX).to(torch.int32)
-    return indices.detach().resolve_neg().contiguous()  # DLPack carries no negation bit
+    return indices.detach().contiguous()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -552,9 +552,7 @@ def candidate_map(
             num_users,
             _current_stream(cand_to_user),
             [_dlpack(_as_int32(level, f"levels[{i}]")) for i, level in enumerate(read)],
-            _device_storage(
-                cand_to_user, lambda elements: _C.CandidateMap.device_bytes(elements, num_users)
-            ),
+            _map_storage(cand_to_user, num_users),
         )
 
     return _CACHE.get("CandidateMap", (cand_to_user, *levels), (num_users, len(levels)), build)
@@ -598,9 +596,7 @@ def _jagged_offsets(kv_offsets: torch.Tensor, total_rows: int) -> _C.JaggedOffse
             _dlpack(_as_int32(kv_offsets, "kv_offsets")),
             total_rows,
             _current_stream(kv_offsets),
-            _device_storage(
-                kv_offsets, lambda elements: _C.JaggedOffsets.device_bytes(max(elements - 1, 1))
-            ),
+            _offsets_storage(kv_offsets),
         ),
     )
 
@@ -612,7 +608,9 @@ def _lce_plan(w_c: torch.Tensor, w_u: torch.Tensor, check: Callable[[], None]) -
     def build() -> _C.LcePlan:
         check()
         return _C.LcePlan(
-            w_c.detach().contiguous(), w_u.detach().contiguous(), _current_stream(w_c)
+            _dlpack(w_c.detach().contiguous()),
+            _dlpack(w_u.detach().contiguous()),
+            _current_stream(w_c),
         )
 
     return _CACHE.get("LcePlan", (w_c, w_u), (), build)
@@ -626,9 +624,9 @@ def _linear_plan(
     def build() -> _C.LinearPlan:
         check()
         return _C.LinearPlan(
-            w_u.detach().contiguous(),
-            w_c.detach().contiguous(),
-            None if bias is None else bias.detach().contiguous(),
+            _dlpack(w_u.detach().contiguous()),
+            _dlpack(w_c.detach().contiguous()),
+            _dlpack(None if bias is None else bias.detach().contiguous()),
             _current_stream(w_c),
         )
 

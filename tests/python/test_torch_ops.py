@@ -233,6 +233,8 @@ def test_shapes_layouts_and_views_the_ops_check_first():
     expected = torch.ops.ikbo.lce(w_c, w_u, -e_c, e_u, cand_to_user)
     got = ikbo.lce(w_c, w_u, torch._neg_view(e_c), e_u, cand_to_user)
     torch.testing.assert_close(got, expected)
+    from_negated_weight = ikbo.lce(torch._neg_view(-w_c), w_u, -e_c, e_u, cand_to_user)
+    torch.testing.assert_close(from_negated_weight, expected)
     with pytest.raises(ValueError, match="out must hold its values, got a torch negative view"):
         ikbo.lce(w_c, w_u, e_c, e_u, cand_to_user, out=torch._neg_view(torch.empty_like(got)))
 
