@@ -11,7 +11,8 @@ time is printed. On the GPU, each case's time is also split in two, from a
 burst of 100 calls enqueued while the GPU is held in a wait: the host's time
 to enqueue a call, and the GPU's time per call once it runs the burst back to
 back (CUDA events; the least of 7 bursts each). The larger of the two sets
-the pace.
+the pace. The torch ops are timed again under ``torch.no_grad()`` and
+``torch.inference_mode()``, as serving code calls them.
 """
 
 import time
@@ -119,14 +120,24 @@ def main() -> None:
         devices.append(torch.device("cuda"))
     for device in devices:
         print(f"--- {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'host'})")
-        for name, case in cases(device).items():
-            if case is None:
-                continue
-            line = f"{name}: {per_call_us(case, device):.2f} us"
-            if device.type == "cuda":
-                host, gpu = host_and_gpu_us(case)
-                line += f" (host enqueue {host:.2f} us, GPU {gpu:.2f} us)"
-            print(line)
+        timed = cases(device)
+        for name, case in timed.items():
+            if case is not None:
+                report(name, case, device)
+        # Serving code runs under no_grad or inference_mode. Inference mode
+        # skips the ops' Autograd kernel; no_grad does not.
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                for name in ("torch.ops.ikbo.lce", "torch.ops.ikbo.attention"):
+                    report(f"{name} under torch.{mode.__name__}()", timed[name], device)
+
+
+def report(name: str, case, device: torch.device) -> None:
+    line = f"{name}: {per_call_us(case, device):.2f} us"
+    if device.type == "cuda":
+        host, gpu = host_and_gpu_us(case)
+        line += f" (host enqueue {host:.2f} us, GPU {gpu:.2f} us)"
+    print(line)
 
 
 if __name__ == "__main__":
