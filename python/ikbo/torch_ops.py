@@ -686,7 +686,7 @@ def _op(name: str, schema: str) -> Callable:
 
     Registered with ``torch.library.Library`` rather than ``custom_op``, whose
     per-call wrappers (an aliasing check, a Dynamo guard, the autograd
-    layer's metadata) took ~5 µs an op (``bench/diagnostics/op_overhead.py``);
+    layer's metadata) took 2-4.6 µs an op (``bench/diagnostics/op_overhead.py``);
     what ``custom_op`` adds otherwise is here: the Autograd kernel above, and
     :func:`_fake` for tracing."""
 
