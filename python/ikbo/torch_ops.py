@@ -641,6 +641,13 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 _LIBRARY = torch.library.Library("ikbo", "FRAGMENT")
 
 
+def _below_autograd(op: torch._ops.OpOverload, keyset, args: tuple) -> Any:
+    """Runs ``op`` on the kernels under its Autograd one (``keyset`` has no
+    autograd keys)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset, *args)
+
+
 class _NoBackward(torch.autograd.Function):
     """An op's call when an input requires grad: the op runs below autograd,
     and its output's backward raises."""
@@ -648,8 +655,7 @@ class _NoBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, keyset, *args):
         ctx.op_name = op.name()
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset, *args)
+        return _below_autograd(op, keyset, args)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -674,8 +680,7 @@ def _autograd_kernel(op: torch._ops.OpOverload) -> Callable:
         keyset = keyset & below_autograd
         if torch.is_grad_enabled() and _any_requires_grad(*args):
             return _NoBackward.apply(op, keyset, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset, *args)
+        return _below_autograd(op, keyset, args)
 
     return kernel
 
