@@ -1,6 +1,7 @@
 # Runs `ikbo-bench --quick --device cpu --json JSON` and checks what it
 # wrote: at least one measured record, each with 0 < min_ms <= median_ms <=
-# max_ms and positive TFLOP/s, GB/s and floor; the ceilings measured.
+# max_ms and positive TFLOP/s, GB/s and floor; the ceilings measured; the
+# inputs described.
 #   cmake -DBENCH=path/to/ikbo-bench -DJSON=out.json -P check_records.cmake
 execute_process(COMMAND "${BENCH}" --quick --device cpu --json "${JSON}"
   RESULT_VARIABLE status OUTPUT_QUIET ERROR_VARIABLE errors)
@@ -14,6 +15,10 @@ foreach(ceiling matmul_tflops bandwidth_gbps)
     message(FATAL_ERROR "ceilings.${ceiling} = ${value}, expected > 0")
   endif()
 endforeach()
+string(JSON inputs GET "${document}" settings inputs)
+if(NOT inputs MATCHES "rounded once to the dtype")
+  message(FATAL_ERROR "settings.inputs = '${inputs}', expected the draw described")
+endif()
 string(JSON count LENGTH "${document}" records)
 if(count EQUAL 0)
   message(FATAL_ERROR "no measured record in ${JSON}")

@@ -42,4 +42,10 @@ class Rng {
 std::vector<std::byte> random_values(DType dtype, std::int64_t count, float scale,
                                      std::uint64_t seed);
 
+// What a record says of its inputs: random_values' draw (the Python bench's
+// record says the same of its own).
+inline constexpr const char* kInputs =
+    "uniform in [-1, 1) (weights and bias scaled, queries by --q-scale), 24 random bits, "
+    "rounded once to the dtype";
+
 }  // namespace ikbo::bench

@@ -8,6 +8,7 @@
 
 #include "ikbo/error.hpp"
 #include "json.hpp"
+#include "random.hpp"
 
 namespace ikbo::bench {
 namespace {
@@ -210,7 +211,8 @@ void write_json(const std::string& path, const RunInfo& run, const std::vector<R
   settings.add("reps", options.reps)
       .add("warmup", options.warmup)
       .add("timing", timing_method(options))
-      .add("cand_to_user", options.sorted_map ? "sorted" : "shuffled");
+      .add("cand_to_user", options.sorted_map ? "sorted" : "shuffled")
+      .add("inputs", kInputs);
   if (!run.clock_sampling.empty()) settings.add("clocks", run.clock_sampling);
   JsonObject ceilings;
   ceilings.add("matmul_tflops", run.ceilings.matmul_tflops)

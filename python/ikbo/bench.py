@@ -160,6 +160,12 @@ def cand_to_user_for(
     return users.repeat_interleave(torch.tensor(counts)).to(device)
 
 
+# What a record says of its inputs (``_uniform``), as ikbo-bench's do.
+_INPUTS = (
+    "uniform in [-1, 1) (weights and bias scaled), drawn in float32, rounded once to the dtype"
+)
+
+
 def _uniform(
     shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int, scale: float = 1.0
 ) -> torch.Tensor:
@@ -1818,6 +1824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "timing": timer.method,
             **({"clocks": timer.clock_sampling} if timer.clock_sampling else {}),
             "cand_to_user": "sorted",
+            "inputs": _INPUTS,
             "torch": torch.__version__,
             "variants": {s.name: {v.name: v.timed for v in s.variants} for s in suites},
             "baselines": {

@@ -35,6 +35,7 @@ def test_all_suites_end_to_end(tmp_path, capsys):
         document
     )
     assert document["backend"] == "cpu" and document["not_measured"] == []
+    assert "rounded once to the dtype" in document["settings"]["inputs"]
     assert document["ceilings"]["matmul_tflops"] > 0 and document["ceilings"]["bandwidth_gbps"] > 0
     records = document["records"]
     lce = [record for record in records if record["suite"] == "lce"]
@@ -102,6 +103,7 @@ def test_linear_suite_end_to_end(tmp_path, capsys):
 
     document = json.loads(path.read_text())
     assert document["backend"] == "cpu" and document["not_measured"] == []
+    assert "rounded once to the dtype" in document["settings"]["inputs"]
     assert list(document["settings"]["variants"]) == ["linear"]
     records = document["records"]
     assert {record["suite"] for record in records} == {"linear"}
@@ -151,6 +153,18 @@ def test_users_for_ratio():
     assert bench.users_for_ratio(1024, 70) == 15
     assert bench.users_for_ratio(2048, 64) == 32
     assert bench.users_for_ratio(16, 1000) == 1 and bench.users_for_ratio(4, 1) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inputs_are_drawn_in_float32_and_rounded_once(dtype):
+    # Drawn in the dtype itself, torch.rand's values, mapped to [-1, 1), were
+    # 2048 (float16) or 256 (bfloat16) multiples of one power of two.
+    drawn = bench._uniform((100_000,), dtype, torch.device("cpu"), seed=5, scale=2.0)
+    generator = torch.Generator().manual_seed(5)
+    expected = torch.rand(100_000, generator=generator).mul_(4.0).sub_(2.0).to(dtype)
+    assert drawn.dtype == dtype and torch.equal(drawn, expected)
+    assert drawn.abs().max() <= 2.0
+    assert drawn.unique().numel() > (10_000 if dtype == torch.float16 else 1_000)
 
 
 def test_clock_limit_names():
