@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ikbo
-from ikbo.bench import Timer
+from ikbo.bench import Timer, _uniform
 
 ROUNDS = 3
 B, U, H, N_SEED, D = 2048, 32, 2, 64, 128
@@ -36,10 +36,11 @@ GEMM = 8192
 
 
 def draw(how: str, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
+    if how == "fp32 draw":  # the Python bench's own draw
+        return _uniform(shape, torch.float16, device, seed)
     generator = torch.Generator(device=device).manual_seed(seed)
-    dtype = torch.float16 if how == "fp16 draw" else torch.float32
-    values = torch.rand(shape, dtype=dtype, device=device, generator=generator)
-    return values.mul_(2).sub_(1).half()
+    values = torch.rand(shape, dtype=torch.float16, device=device, generator=generator)
+    return values.mul_(2).sub_(1)
 
 
 def cases(how: str, device: torch.device) -> dict:
